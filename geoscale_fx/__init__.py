@@ -1,0 +1,35 @@
+"""geoscale-fx: predictive FP8 scaling of attention logits from the weights' geometry.
+
+Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
+
+    geoscale_fx.bounds      bounds on |S| and the paper's α/γ calibration rule
+    geoscale_fx.spectral    per-head and per-layer spectral norms of W^Q W^Kᵀ
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "bounds": ("geoscale_fx.bounds", None),
+    "spectral": ("geoscale_fx.spectral", None),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'geoscale_fx' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,5 @@
+import sys
+
+from geoscale_fx.cli import main
+
+sys.exit(main())
