@@ -2,6 +2,8 @@
 
 Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
 
+    geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
+    geoscale_fx.AttentionSite
     geoscale_fx.bounds      bounds on |S| and the paper's α/γ calibration rule
     geoscale_fx.spectral    per-head and per-layer spectral norms of W^Q W^Kᵀ
 """
@@ -15,6 +17,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "bounds": ("geoscale_fx.bounds", None),
     "spectral": ("geoscale_fx.spectral", None),
+    "find_attention": ("geoscale_fx.capture", "find_attention"),
+    "AttentionSite": ("geoscale_fx.passes.site", "AttentionSite"),
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,68 @@
+"""``find_attention``: capture a model with Dynamo exactly as ``torch.compile`` does, then analyse.
+
+Example::
+
+    >>> import torch, geoscale_fx
+    >>> layer = torch.nn.TransformerEncoderLayer(64, 4, batch_first=True, norm_first=True)
+    >>> sites = geoscale_fx.find_attention(layer, torch.randn(2, 10, 64))
+    >>> [(s.name, s.kind, s.n_q_heads, s.supported) for s in sites]
+    [('self_attn', 'mha', 4, True)]
+    >>> sites[0].logit_bound().shape
+    torch.Size([4])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.passes.site import AttentionSite
+
+__all__ = ["CapturedGraph", "capture_graphs", "find_attention"]
+
+
+@dataclass
+class CapturedGraph:
+    """A graph Dynamo handed to a backend, with the example inputs it came with."""
+    gm: GraphModule
+    example_inputs: list
+
+
+def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = False,
+                   **kwargs) -> list[CapturedGraph]:
+    """Run ``torch.compile(model, backend=<recorder>, dynamic=dynamic)(*args, **kwargs)`` once.
+
+    The recorder returns each graph's own ``forward``, so the call executes exactly as
+    Dynamo would execute it; ``model`` is not modified and no graph break is added. Shapes
+    are static by default, so a capture does not depend on earlier captures' shapes.
+    """
+    captured: list[CapturedGraph] = []
+
+    def recorder(gm: GraphModule, example_inputs):
+        captured.append(CapturedGraph(gm, list(example_inputs)))
+        return gm.forward
+
+    # isolate_recompiles: this capture keeps its own cache entries, so repeated captures never
+    # count against (or hit) the recompile limit of other torch.compile calls.
+    compiled = torch.compile(model, backend=recorder, dynamic=dynamic,
+                             isolate_recompiles=True)
+    compiled(*args, **kwargs)
+    return captured
+
+
+def find_attention(model: torch.nn.Module | Any, *args, **kwargs) -> list[AttentionSite]:
+    """Every attention site in ``model``'s traced forward, in execution order.
+
+    ``args``/``kwargs`` are passed to the model as in a normal call. Each site says whether
+    it could be analysed (``supported``) and why not (``reason``); supported sites answer
+    ``head_weights()`` and ``logit_bound()`` from the model's current parameters. Use
+    ``site.with_rope_bound("interaction")`` for the paper's (uncertified) RoPE bound.
+    """
+    sites: list[AttentionSite] = []
+    for graph_index, graph in enumerate(capture_graphs(model, *args, **kwargs)):
+        sites.extend(analyze_graph(graph.gm, graph.example_inputs, graph_index=graph_index,
+                                   first_index=len(sites)))
+    return sites

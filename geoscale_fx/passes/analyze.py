@@ -1,0 +1,221 @@
+"""The analysis pass: every attention site of a GraphModule, traced back to its weights.
+
+``analyze_graph(gm, example_inputs)`` is what both ``geoscale_fx.find_attention`` and the
+backend run on the graph Dynamo captured. It never modifies ``gm``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from typing import Any, Sequence
+
+import torch
+from torch.fx import GraphModule, Node
+
+from geoscale_fx.passes.evaluate import ParamEvaluator
+from geoscale_fx.passes.find_sites import Candidate, find_candidates
+from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, shape_of
+from geoscale_fx.passes.provenance import (
+    HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
+    trace_normalized_input, trace_operand,
+)
+from geoscale_fx.passes.site import ROPE_BOUNDS, AttentionSite, Projection
+from geoscale_fx.passes.tracking import AngleChecker, Unsupported
+
+__all__ = ["analyze_graph"]
+
+log = logging.getLogger("geoscale_fx")
+
+
+def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index: int = 0,
+                  first_index: int = 0, rope_bound: str = "norm_product"
+                  ) -> list[AttentionSite]:
+    """Find and analyse every attention in ``gm`` (a Dynamo graph: params are placeholders)."""
+    if rope_bound not in ROPE_BOUNDS:
+        raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
+    kinds = ValueKinds(gm.graph, example_inputs)
+    evaluator = ParamEvaluator(gm, example_inputs, kinds)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+
+    def resolve(name: str) -> torch.Tensor:
+        value = evaluator.evaluate(by_name[name])
+        if value is None:
+            raise ValueError(f"graph node {name!r} is not a function of the parameters")
+        return value
+
+    sites = []
+    for i, cand in enumerate(find_candidates(gm.graph, kinds)):
+        base = dict(name=module_path(cand.node) or cand.node.name, index=first_index + i,
+                    kind=cand.kind, node=cand.node.name, graph=graph_index,
+                    rope_bound=rope_bound,
+                    nodes=tuple((role, n.name) for role, n in cand.roles.items()))
+        try:
+            fields = _ANALYZERS[cand.kind](cand, kinds, evaluator, order)
+            site = AttentionSite(**base, supported=True, _resolve=resolve, **fields)
+        except Unsupported as exc:
+            site = AttentionSite(**base, supported=False, reason=str(exc),
+                                 is_causal=cand.is_causal, has_mask=cand.has_mask)
+            log.info("geoscale: attention %s (%s) left as is: %s", site.name, site.node,
+                     site.reason)
+        sites.append(site)
+    return sites
+
+
+# --------------------------------------------------------------------------------------
+
+def _projection(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput,
+                rotaries, features=None, bias_offset: int = 0) -> Projection:
+    """The site-facing description of one side (``rows``: what reached the operand)."""
+    channel_ops = tuple((kind, v.name if isinstance(v, Node) else float(v))
+                        for kind, v in norm.channel_ops)
+    rotary = None
+    if rows.rotation > 0:
+        if not rotaries:
+            raise Unsupported("internal: rotation without a recorded rotary embedding")
+        rotary = replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation)
+    weight_param, bias_param = parameter_names(trace_proj)
+    return Projection(
+        weight=trace_proj.weight.name, layout=trace_proj.layout,
+        features=features if features is not None else rows.features,
+        bias=trace_proj.bias.name if trace_proj.bias is not None else None,
+        norm=norm.norm, norm_node=norm.node.name, channel_ops=channel_ops,
+        model_dim=norm.model_dim, radius_factor=norm.radius_factor, rotary=rotary,
+        weight_param=weight_param, bias_param=bias_param, bias_offset=bias_offset,
+        operand_gain=rows.gain)
+
+
+def _pair_heads(cand: Candidate, q: HeadRows, k: HeadRows) -> tuple[list[int], tuple]:
+    """Key head of every query head; reorders key heads so that query head h reads h // g."""
+    q_map, k_map = q.head_of_row, k.head_of_row
+    if cand.gqa:
+        if q_map.dim() < 1 or k_map.dim() < 1 or q_map.shape[-1] % k_map.shape[-1]:
+            raise Unsupported(f"`{cand.node.name}`: enable_gqa with incompatible head counts")
+        k_map = k_map.repeat_interleave(q_map.shape[-1] // k_map.shape[-1], dim=-1)
+    try:
+        lead = torch.broadcast_shapes(q_map.shape, k_map.shape)
+    except RuntimeError:
+        raise Unsupported(f"`{cand.node.name}`: query and key batch/head shapes "
+                          f"{tuple(q_map.shape)} and {tuple(k_map.shape)} do not broadcast")
+    pairs = torch.stack([q_map.expand(lead).reshape(-1), k_map.expand(lead).reshape(-1)], 1)
+    kv_of_q: dict[int, int] = {}
+    for qh, kh in pairs.tolist():
+        if kv_of_q.setdefault(qh, kh) != kh:
+            raise Unsupported(f"`{cand.node.name}`: query head {qh} reads different key heads "
+                              "in different batch entries")
+    n_q = len(q.features)
+    order: dict[int, int] = {}
+    for h in range(n_q):
+        order.setdefault(kv_of_q[h], len(order))
+    n_kv = len(order)
+    mapping = [order[kv_of_q[h]] for h in range(n_q)]
+    if n_q % n_kv or mapping != [h // (n_q // n_kv) for h in range(n_q)]:
+        raise Unsupported(f"`{cand.node.name}`: query heads share key heads in a "
+                          f"non-contiguous grouping {mapping}")
+    k_features = tuple(k.features[kh] for kh in sorted(order, key=order.__getitem__))
+    return mapping, k_features
+
+
+def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    checkers = {role: AngleChecker(evaluator) for role in ("query", "key")}
+    q_trace = trace_operand(cand.query, kinds, checkers["query"], "query", order)
+    k_trace = trace_operand(cand.key, kinds, checkers["key"], "key", order)
+    q_track, k_track = q_trace.track, k_trace.track
+    if cand.query_perm is not None:
+        q_track = q_track.map(lambda t: t.permute(cand.query_perm))
+    if cand.key_layout == "dk":
+        k_track = k_track.map(lambda t: t.transpose(-1, -2))
+    elif cand.key_perm is not None:
+        k_track = k_track.map(lambda t: t.permute(cand.key_perm))
+    q_rows = head_rows(q_track, cand.query, "query")
+    k_rows = head_rows(k_track, cand.key, "key")
+    if q_track.shape[-1] != k_track.shape[-1]:
+        raise Unsupported(f"`{cand.node.name}`: query and key head widths differ")
+    _mapping, k_features = _pair_heads(cand, q_rows, k_rows)
+    q_norm = trace_normalized_input(q_trace.projection.x, kinds, q_trace.projection.root)
+    k_norm = trace_normalized_input(k_trace.projection.x, kinds, k_trace.projection.root)
+    q_proj = _projection(q_trace.projection, q_rows, q_norm, checkers["query"].rotaries)
+    k_proj = _projection(k_trace.projection, k_rows, k_norm, checkers["key"].rotaries,
+                         features=k_features)
+    return _fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
+                   k_track.shape[-2], q_rows.head_of_row)
+
+
+def _fields(cand, q_proj, k_proj, gain, q_len, kv_len, head_of_row) -> dict:
+    if not math.isfinite(cand.scale):
+        raise Unsupported(f"`{cand.node.name}`: the softmax scale is not a compile-time constant")
+    return dict(
+        n_q_heads=q_proj.n_heads, n_kv_heads=k_proj.n_heads, head_dim=q_proj.head_dim,
+        model_dim=q_proj.model_dim, norm=q_proj.norm,
+        rope=q_proj.rotary is not None or k_proj.rotary is not None,
+        softmax_scale=cand.scale * gain, is_causal=cand.is_causal, has_mask=cand.has_mask,
+        dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len, q=q_proj, k=k_proj,
+        score_heads=tuple(head_of_row.reshape(-1).tolist()),
+        score_lead=tuple(head_of_row.shape))
+
+
+def _contiguous_heads(n: int, d_h: int, offset: int) -> tuple:
+    return tuple(tuple(range(offset + h * d_h, offset + (h + 1) * d_h)) for h in range(n))
+
+
+def _opaque_projection(node: Node, weight: Node, bias, norm: NormalizedInput, features,
+                       bias_offset: int = 0) -> Projection:
+    op = ProjectionOp(node, node, weight, "linear", bias)
+    rows = HeadRows(features, torch.arange(len(features)), 1.0, 0.0, False)
+    return _projection(op, rows, norm, [], bias_offset=bias_offset)
+
+
+def _analyze_mha(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    node = cand.node
+    query, key = node.args[0], node.args[1]
+    embed_dim, n_heads = int(node.args[3]), int(node.args[4])
+    if arg(node, 7, "bias_k") is not None or arg(node, 21, "static_k") is not None:
+        raise Unsupported(f"`{node.name}`: keys include a learned bias_k / static_k that is "
+                          "not a projection of the input")
+    d_h = embed_dim // n_heads
+    separate = bool(arg(node, 17, "use_separate_proj_weight", False))
+    in_w, in_b = arg(node, 5, "in_proj_weight"), arg(node, 6, "in_proj_bias")
+    q_w = arg(node, 18, "q_proj_weight") if separate else in_w
+    k_w = arg(node, 19, "k_proj_weight") if separate else in_w
+    q_norm = trace_normalized_input(query, kinds, node)
+    k_norm = q_norm if key is query else trace_normalized_input(key, kinds, node)
+    q_proj = _opaque_projection(node, q_w, in_b, q_norm, _contiguous_heads(n_heads, d_h, 0))
+    k_off = 0 if separate else embed_dim
+    k_proj = _opaque_projection(node, k_w, in_b, k_norm, _contiguous_heads(n_heads, d_h, k_off),
+                                bias_offset=embed_dim if separate else 0)
+    cand.scale = 1.0 / math.sqrt(d_h)
+    cand.is_causal = bool(arg(node, 24, "is_causal", False))
+    cand.has_mask = arg(node, 16, "attn_mask") is not None or \
+        arg(node, 14, "key_padding_mask") is not None
+    cand.dropout_p = float(arg(node, 10, "dropout_p", 0.0)) if arg(node, 13, "training",
+                                                                     True) else 0.0
+    q_len = (shape_of(query) or (0,))[0]
+    kv_len = (shape_of(key) or (0,))[0]
+    return _fields(cand, q_proj, k_proj, 1.0, q_len, kv_len, torch.arange(n_heads))
+
+
+def _analyze_encoder_layer(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    node = cand.node
+    src, embed_dim, n_heads = node.args[0], int(node.args[1]), int(node.args[2])
+    d_h = embed_dim // n_heads
+    if node.args[8]:  # norm_first: the layer normalizes src itself (norm1)
+        norm = NormalizedInput("layernorm", node, embed_dim,
+                               (("mul", node.args[10]), ("add", node.args[11])), 1.0)
+    else:
+        norm = trace_normalized_input(src, kinds, node)
+    w, b = node.args[3], node.args[4]
+    q_proj = _opaque_projection(node, w, b, norm, _contiguous_heads(n_heads, d_h, 0))
+    k_proj = _opaque_projection(node, w, b, norm, _contiguous_heads(n_heads, d_h, embed_dim))
+    cand.scale = 1.0 / math.sqrt(d_h)
+    cand.has_mask = len(node.args) > 18 and node.args[18] is not None
+    shape = shape_of(src) or (0, 0)
+    return _fields(cand, q_proj, k_proj, 1.0, shape[-2], shape[-2], torch.arange(n_heads))
+
+
+_ANALYZERS = {
+    "sdpa": _analyze_operands,
+    "explicit": _analyze_operands,
+    "mha": _analyze_mha,
+    "encoder_layer": _analyze_encoder_layer,
+}

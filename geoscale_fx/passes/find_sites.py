@@ -1,0 +1,203 @@
+"""Find attention sites in a torch-level FX graph.
+
+Four forms are recognised:
+
+* ``sdpa``: ``F.scaled_dot_product_attention`` (mask, causal flag, scale, GQA, dropout);
+* ``explicit``: the normal form ``softmax(c · (Q Kᵀ) [+ mask]) [dropout] @ V``, found from each
+  softmax by walking *use-def chains* (casts, scalar ``mul``/``div``, additive / ``masked_fill`` /
+  ``where`` masks) back to a ``matmul``/``bmm``/``baddbmm``/``einsum`` of two activations, and
+  forward to the product with ``V``. Any order of those ops is accepted; no surface pattern is
+  listed;
+* ``mha``: ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``; Dynamo keeps it opaque);
+* ``encoder_layer``: ``torch._transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s
+  inference fast path: the whole layer is one op).
+
+A softmax that does not fit the normal form is not an attention and is skipped.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch.fx import Graph, Node
+
+from geoscale_fx.passes.graph_ops import (
+    VALUE_CASTS, ValueKinds, arg, op_of, scalar_constant, shape_of, static_bool,
+)
+
+__all__ = ["Candidate", "find_candidates"]
+
+_MATMULS = ("matmul", "bmm", "baddbmm", "einsum")
+
+
+@dataclass
+class Candidate:
+    kind: str                           # "sdpa" | "explicit" | "mha" | "encoder_layer"
+    node: Node
+    query: Optional[Node] = None
+    key: Optional[Node] = None
+    key_layout: str = "kd"              # key operand: "kd" (…, L', D) or "dk" (…, D, L')
+    query_perm: Optional[tuple] = None  # einsum: permutation of the query to (…, L, D)
+    key_perm: Optional[tuple] = None
+    scale: float = 1.0                  # scalar factors on the scores (softmax scale)
+    is_causal: bool = False
+    has_mask: bool = False
+    dropout_p: float = 0.0
+    gqa: bool = False
+    roles: dict = field(default_factory=dict)
+
+
+def find_candidates(graph: Graph, kinds: ValueKinds) -> list[Candidate]:
+    found = []
+    for node in graph.nodes:
+        op = op_of(node)
+        if op == "sdpa":
+            found.append(_sdpa(node))
+        elif op == "softmax":
+            cand = _explicit(node, kinds)
+            if cand is not None:
+                found.append(cand)
+        elif op == "mha":
+            found.append(Candidate("mha", node, roles={"attention": node}))
+        elif op == "encoder_layer":
+            found.append(Candidate("encoder_layer", node, roles={"attention": node}))
+    return found
+
+
+def _sdpa(node: Node) -> Candidate:
+    q, k = node.args[0], node.args[1]
+    mask = arg(node, 3, "attn_mask")
+    scale = arg(node, 6, "scale")
+    scale = (1.0 / math.sqrt((shape_of(q) or (1,))[-1]) if scale is None
+             else scalar_constant(scale))
+    dropout = scalar_constant(arg(node, 4, "dropout_p", 0.0))
+    return Candidate("sdpa", node, query=q, key=k, scale=scale if scale is not None else
+                     float("nan"), is_causal=static_bool(arg(node, 5, "is_causal", False)),
+                     has_mask=mask is not None, dropout_p=dropout or 0.0,
+                     gqa=static_bool(arg(node, 7, "enable_gqa", False)),
+                     roles={"attention": node})
+
+
+def _softmax_dim_is_last(node: Node) -> bool:
+    dim = arg(node, 1, "dim")
+    ndim = len(shape_of(node) or ())
+    return dim in (-1, ndim - 1)
+
+
+def _explicit(softmax: Node, kinds: ValueKinds) -> Optional[Candidate]:
+    if not _softmax_dim_is_last(softmax):
+        return None
+    cand = Candidate("explicit", softmax)
+    scores = _walk_scores(softmax.args[0], kinds, cand, depth=0)
+    if scores is None:
+        return None
+    pv = _product_with_values(softmax, cand)
+    if pv is None:
+        return None
+    if not _set_operands(scores, cand):
+        return None
+    cand.roles.update({"scores": scores, "softmax": softmax, "pv": pv})
+    return cand
+
+
+def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Optional[Node]:
+    """Back from the softmax input to ``Q Kᵀ``; records scalar scale and masks in ``cand``."""
+    if not isinstance(node, Node) or depth > 16:
+        return None
+    op = op_of(node)
+    if op in _MATMULS:
+        operands = node.args[1:3] if op == "baddbmm" else node.args[-2:] if op == "einsum" \
+            else node.args[:2]
+        if op == "einsum" and (len(node.args) != 3 or not isinstance(node.args[0], str)):
+            return None
+        if all(isinstance(a, Node) and kinds.is_activation(a) for a in operands):
+            if op == "baddbmm":
+                cand.scale *= float(node.kwargs.get("alpha", 1.0))
+                cand.has_mask = True
+            return node
+        return None
+    if op in VALUE_CASTS:
+        return _walk_scores(node.args[0], kinds, cand, depth + 1)
+    if op in ("mul", "div"):
+        a, b = node.args[0], node.args[1]
+        for x, c in ((a, b), (b, a)) if op == "mul" else ((a, b),):
+            value = scalar_constant(c)
+            if value is not None and value != 0:
+                cand.scale *= value if op == "mul" else 1.0 / value
+                return _walk_scores(x, kinds, cand, depth + 1)
+        return None
+    if op in ("add", "sub"):
+        for x, m in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if op == "sub" and x is node.args[1]:
+                continue
+            trial = Candidate("explicit", cand.node, scale=cand.scale)
+            found = _walk_scores(x, kinds, trial, depth + 1)
+            if found is not None:
+                cand.scale, cand.has_mask = trial.scale, True
+                return found
+        return None
+    if op == "masked_fill":
+        cand.has_mask = True
+        return _walk_scores(node.args[0], kinds, cand, depth + 1)
+    if op == "where":
+        for x in (node.args[1], node.args[2]):
+            trial = Candidate("explicit", cand.node, scale=cand.scale)
+            found = _walk_scores(x, kinds, trial, depth + 1)
+            if found is not None:
+                cand.scale, cand.has_mask = trial.scale, True
+                return found
+    return None
+
+
+def _product_with_values(softmax: Node, cand: Candidate) -> Optional[Node]:
+    """Follow the probabilities (casts, dropout) to the matmul where they are the left operand."""
+    frontier = [softmax]
+    for _ in range(8):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                op = op_of(user)
+                if op in ("matmul", "bmm") and user.args[0] is node:
+                    return user
+                if op == "einsum" and len(user.args) == 3 and user.args[1] is node:
+                    return user
+                if op in VALUE_CASTS:
+                    nxt.append(user)
+                elif op == "dropout":
+                    cand.dropout_p = float(arg(user, 1, "p", 0.5)) if arg(
+                        user, 2, "training", True) else 0.0
+                    nxt.append(user)
+        frontier = nxt
+    return None
+
+
+def _set_operands(scores: Node, cand: Candidate) -> bool:
+    op = op_of(scores)
+    if op in ("matmul", "bmm"):
+        cand.query, cand.key, cand.key_layout = scores.args[0], scores.args[1], "dk"
+        return True
+    if op == "baddbmm":
+        cand.query, cand.key, cand.key_layout = scores.args[1], scores.args[2], "dk"
+        return True
+    equation = scores.args[0].replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return False
+    inputs, out = equation.split("->")
+    terms = inputs.split(",")
+    if len(terms) != 2:
+        return False
+    qi, ki = terms
+    contracted = [c for c in qi if c in ki and c not in out]
+    q_only = [c for c in qi if c not in ki]
+    k_only = [c for c in ki if c not in qi]
+    if len(contracted) != 1 or len(q_only) != 1 or len(k_only) != 1:
+        return False
+    batch = [c for c in qi if c in ki and c in out]
+    if out != "".join(batch) + q_only[0] + k_only[0]:
+        return False
+    c = contracted[0]
+    cand.query, cand.key, cand.key_layout = scores.args[1], scores.args[2], "kd"
+    cand.query_perm = tuple(qi.index(x) for x in batch + [q_only[0], c])
+    cand.key_perm = tuple(ki.index(x) for x in batch + [k_only[0], c])
+    return True

@@ -1,0 +1,218 @@
+"""Vocabulary for reading torch-level FX graphs (what Dynamo hands a backend).
+
+The same operation reaches a graph under several spellings — ``torch._C._nn.linear`` or
+``F.linear``, ``x.transpose(1, 2)`` (call_method) or ``torch.transpose`` (call_function),
+``a * b`` (``operator.mul``) or ``a.mul(b)``. :func:`op_of` maps each to one canonical name so
+the passes reason about use-def chains, never about surface forms or module/parameter names.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+__all__ = [
+    "op_of", "arg", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
+    "ValueKinds", "module_path", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
+]
+
+_FUNCTIONS: dict[Any, str] = {
+    torch._C._nn.linear: "linear", F.linear: "linear", torch.addmm: "addmm",
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.mm: "matmul", torch.bmm: "bmm",
+    torch.baddbmm: "baddbmm", torch.einsum: "einsum",
+    operator.getitem: "getitem", torch.transpose: "transpose", torch.permute: "permute",
+    torch.reshape: "reshape", torch.cat: "cat", torch.concat: "cat", torch.concatenate: "cat",
+    torch.stack: "stack", torch.split: "split", torch.chunk: "chunk", torch.narrow: "narrow",
+    torch.select: "select", torch.squeeze: "squeeze", torch.unsqueeze: "unsqueeze",
+    torch.flatten: "flatten", torch.unflatten: "unflatten", torch.movedim: "movedim",
+    torch.swapaxes: "transpose", torch.swapdims: "transpose", torch.t: "t",
+    torch.repeat_interleave: "repeat_interleave", torch.unbind: "unbind",
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
+    torch.true_divide: "div", operator.add: "add", torch.add: "add", operator.sub: "sub",
+    torch.sub: "sub", operator.neg: "neg", torch.neg: "neg",
+    F.softmax: "softmax", torch.softmax: "softmax", torch._softmax: "softmax",
+    F.dropout: "dropout", torch.dropout: "dropout",
+    F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm",
+    F.rms_norm: "rms_norm", torch.rms_norm: "rms_norm",
+    torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.pow: "pow", operator.pow: "pow",
+    torch.mean: "mean", torch.cos: "cos", torch.sin: "sin",
+    torch._C._nn.scaled_dot_product_attention: "sdpa", F.scaled_dot_product_attention: "sdpa",
+    F.multi_head_attention_forward: "mha",
+    torch._transformer_encoder_layer_fwd: "encoder_layer",
+    torch.where: "where", torch.masked_fill: "masked_fill", torch.full: "full",
+    torch.clone: "clone", torch.detach: "detach",
+}
+
+_METHODS: dict[str, str] = {
+    "view": "view", "reshape": "reshape", "transpose": "transpose", "permute": "permute",
+    "t": "t", "split": "split", "split_with_sizes": "split", "chunk": "chunk",
+    "narrow": "narrow", "select": "select", "squeeze": "squeeze", "unsqueeze": "unsqueeze",
+    "flatten": "flatten", "unflatten": "unflatten", "expand": "expand",
+    "expand_as": "expand_as", "movedim": "movedim", "swapaxes": "transpose",
+    "swapdims": "transpose", "repeat": "repeat", "repeat_interleave": "repeat_interleave",
+    "unbind": "unbind", "view_as": "view_as", "reshape_as": "view_as",
+    "contiguous": "contiguous", "clone": "clone", "detach": "detach",
+    "to": "cast", "type": "cast", "float": "cast", "half": "cast", "bfloat16": "cast",
+    "double": "cast", "type_as": "cast", "cpu": "cast", "cuda": "cast",
+    "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "div": "div", "__truediv__": "div",
+    "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub",
+    "neg": "neg", "__neg__": "neg",
+    "softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm",
+    "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
+    "pow": "pow", "mean": "mean", "cos": "cos", "sin": "sin",
+}
+
+#: Ops that only move or copy elements (value semantics preserved element-wise).
+DATA_MOVEMENT = frozenset({
+    "view", "reshape", "transpose", "permute", "t", "getitem", "split", "chunk", "narrow",
+    "select", "squeeze", "unsqueeze", "flatten", "unflatten", "expand", "expand_as",
+    "movedim", "repeat", "repeat_interleave", "unbind", "view_as", "cat", "stack",
+})
+
+#: Ops that keep every value (up to rounding): dtype/device casts and copies.
+VALUE_CASTS = frozenset({"cast", "contiguous", "clone", "detach"})
+
+
+def op_of(node: Node) -> str | None:
+    """Canonical op name of ``node`` (``"linear"``, ``"view"``, ``"sdpa"``, …) or None."""
+    if node.op == "call_function":
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of ``node``, given positionally at ``index`` or as a keyword."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def example_value(node: Any) -> Any:
+    """The fake/real value Dynamo recorded for ``node`` (``meta['example_value']``)."""
+    if isinstance(node, Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def shape_of(node: Any) -> tuple[int, ...] | None:
+    value = example_value(node)
+    if isinstance(value, torch.Tensor):
+        return tuple(static_int(s) for s in value.shape)
+    return None
+
+
+def static_int(value: Any) -> int:
+    """An int from an int or a SymInt (its hint: the size seen at compile time)."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return int(hint) if hint is not None else int(value)
+    return int(value)
+
+
+def scalar_constant(value: Any) -> float | None:
+    """A Python number behind ``value`` (a literal, or a node Dynamo folded to a number)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, Node):
+        ev = example_value(value)
+        if isinstance(ev, (int, float)) and not isinstance(ev, bool):
+            return float(ev)
+        if isinstance(ev, (torch.SymInt, torch.SymFloat)):
+            hint = ev.node.hint
+            return float(hint) if hint is not None else None
+        if op_of(value) == "full" and not any(isinstance(a, Node) for a in value.args):
+            size, fill = value.args[0], arg(value, 1, "fill_value")
+            if isinstance(fill, (int, float)) and math.prod(size) == 1:
+                return float(fill)
+    return None
+
+
+def static_bool(value: Any) -> bool:
+    """A Python bool behind ``value`` (literal, or a SymBool node's compile-time hint)."""
+    if isinstance(value, Node):
+        value = example_value(value)
+    if isinstance(value, torch.SymBool):
+        hint = value.node.hint
+        return bool(hint) if hint is not None else bool(value)
+    return bool(value)
+
+
+class ValueKinds:
+    """Which nodes depend only on parameters/buffers/constants ("param") vs user inputs.
+
+    A projection weight, a normalization gain or a bias must be a "param" node: a function of
+    the model's state alone, so the rewrite can recompute it every step from the weights.
+    """
+
+    def __init__(self, graph: torch.fx.Graph, example_inputs: Iterable[Any] | None = None):
+        inputs = list(example_inputs) if example_inputs is not None else None
+        self._kind: dict[Node, str] = {}
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):
+            value = inputs[i] if inputs is not None and i < len(inputs) else example_value(node)
+            self._kind[node] = "param" if _is_state(node, value) else "input"
+        for node in graph.nodes:
+            if node in self._kind:
+                continue
+            if node.op == "get_attr":
+                self._kind[node] = "param"
+                continue
+            kinds = {self._kind.get(n, "input") for n in node.all_input_nodes}
+            self._kind[node] = ("input" if "input" in kinds else
+                                "param" if "param" in kinds else "const")
+
+    def is_param(self, node: Any) -> bool:
+        """True for nodes computed from parameters/buffers (and constants) only."""
+        return isinstance(node, Node) and self._kind.get(node) == "param"
+
+    def is_activation(self, node: Any) -> bool:
+        return isinstance(node, Node) and self._kind.get(node) == "input"
+
+    def is_constant(self, node: Any) -> bool:
+        return isinstance(node, Node) and self._kind.get(node) == "const"
+
+
+def _is_state(node: Node, value: Any) -> bool:
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    source = getattr(node, "_dynamo_source", None)
+    name = source.name if source is not None and hasattr(source, "name") else ""
+    name = name() if callable(name) else name
+    return "_parameters[" in name or "_buffers[" in name or ".parameters." in name
+
+
+_MODULE_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+
+
+def module_path(node: Node) -> str:
+    """Module path of the innermost ``nn.Module`` that produced ``node`` (``"h.3.attn"``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    path = _MODULE_ROOT.sub("", str(path))
+    return re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]", lambda m: "." + (m[1] or m[2]),
+                  path).lstrip(".")
+
+
+def parameter_name(node: Node) -> str:
+    """Dotted parameter/buffer name behind a placeholder, else the node's name."""
+    source = getattr(node, "_dynamo_source", None)
+    if source is None:
+        return node.name
+    name = source.name() if callable(getattr(source, "name", None)) else str(source.name)
+    name = _MODULE_ROOT.sub("", name)
+    name = re.sub(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
+    return name.lstrip(".") or node.name

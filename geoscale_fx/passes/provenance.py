@@ -1,0 +1,341 @@
+"""Provenance: from an attention operand back to a projection and a normalized input.
+
+``trace_operand`` finds the single projection ``P = x W (+ b)`` feeding a query or key operand
+and replays the path in between (``tracking.replay``); ``trace_normalized_input`` walks from
+``x`` back to the normalization that bounds it (LayerNorm, RMSNorm fused or decomposed),
+collecting per-channel gains/offsets; ``head_rows`` turns the operand's index tensors into
+per-head feature lists. All failures raise ``Unsupported`` naming the node.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from geoscale_fx.passes.graph_ops import (
+    VALUE_CASTS, ValueKinds, arg, op_of, parameter_name, scalar_constant, shape_of,
+)
+from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported, replay
+
+__all__ = ["ProjectionOp", "NormalizedInput", "OperandTrace", "trace_operand",
+           "trace_normalized_input", "head_rows", "HeadRows"]
+
+
+@dataclass(frozen=True)
+class ProjectionOp:
+    """``root = x @ W (+ bias)``: the node whose output features the trackers index."""
+    root: Node
+    x: Node
+    weight: Node
+    layout: str                   # "linear": W (F, d);  "dense": W (d, F)
+    bias: Optional[Node]
+
+
+@dataclass(frozen=True)
+class NormalizedInput:
+    norm: str                     # "layernorm" | "rmsnorm"
+    node: Node
+    model_dim: int
+    channel_ops: tuple            # (("mul" | "add", Node | float), ...) applied to x̂ in order
+    radius_factor: float
+
+
+@dataclass
+class OperandTrace:
+    projection: ProjectionOp
+    track: Track
+
+
+def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
+    op = op_of(node)
+    if op == "linear":
+        x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
+        if kinds.is_activation(x) and kinds.is_param(w) and (b is None or kinds.is_param(b)):
+            return ProjectionOp(node, x, w, "linear", b)
+    elif op == "addmm":
+        b, x, w = node.args[0], node.args[1], node.args[2]
+        if node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1 and \
+                kinds.is_param(b) and kinds.is_activation(x) and kinds.is_param(w):
+            return ProjectionOp(node, x, w, "dense", b)
+    elif op == "matmul":
+        x, w = node.args[0], node.args[1]
+        if kinds.is_activation(x) and kinds.is_param(w) and len(shape_of(w) or ()) == 2:
+            return ProjectionOp(node, x, w, "dense", None)
+    elif op == "add":  # ``linear(x, W) + b`` written out
+        for p, b in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if isinstance(p, Node) and kinds.is_param(b):
+                inner = _weight_of(p, kinds)
+                features = (shape_of(p) or (0,))[-1]
+                if inner is not None and inner.bias is None and \
+                        shape_of(b) == (features,) and len(p.users) == 1:
+                    return ProjectionOp(node, inner.x, inner.weight, inner.layout, b)
+    return None
+
+
+def find_projection(operand: Node, kinds: ValueKinds, role: str) -> tuple[ProjectionOp, set]:
+    """The unique projection feeding ``operand`` and the nodes visited on the way back."""
+    frontier: dict[Node, ProjectionOp] = {}
+    visited, stack, sources = set(), [operand], []
+    while stack:
+        node = stack.pop()
+        if node in visited:
+            continue
+        visited.add(node)
+        found = _weight_of(node, kinds)
+        if found is not None:  # an ``add`` root stops the walk before the linear under it
+            frontier[found.root] = found
+            continue
+        inputs = [n for n in node.all_input_nodes if kinds.is_activation(n)]
+        if node.op == "placeholder":
+            sources.append(node)
+        stack.extend(inputs)
+    roots = frontier
+    if len(roots) == 1:
+        return next(iter(roots.values())), visited
+    if not roots:
+        where = f"graph input `{sources[0].name}`" if sources else "no parameterised projection"
+        raise Unsupported(f"the {role} `{operand.name}` is not a projection of a normalized "
+                          f"input: it comes from {where}")
+    names = ", ".join(f"`{r.name}`" for r in roots)
+    raise Unsupported(f"the {role} `{operand.name}` mixes {len(roots)} projections ({names})")
+
+
+def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role: str,
+                  order: dict[Node, int]) -> OperandTrace:
+    projection, visited = find_projection(operand, kinds, role)
+    on_path, stack = set(), [projection.root]
+    while stack:  # forward from the root, staying inside the backward-visited set
+        node = stack.pop()
+        if node in on_path:
+            continue
+        on_path.add(node)
+        stack.extend(u for u in node.users if u in visited)
+    if operand not in on_path:
+        raise Unsupported(f"`{operand.name}` is not reachable from `{projection.root.name}`")
+    path = sorted(on_path, key=order.__getitem__)
+    env = replay(path, projection.root, checker)
+    track = env[operand]
+    if not isinstance(track, Track):
+        raise Unsupported(f"the {role} `{operand.name}` is half of a rotary embedding")
+    return OperandTrace(projection, track)
+
+
+# --------------------------------------------------------------------------------------
+# Normalized input
+# --------------------------------------------------------------------------------------
+
+def _strip_casts(node):
+    while isinstance(node, Node) and op_of(node) in VALUE_CASTS:
+        node = node.args[0]
+    return node
+
+
+def _is_last_dim(dim, ndim) -> bool:
+    if isinstance(dim, (list, tuple)):
+        return len(dim) == 1 and _is_last_dim(dim[0], ndim)
+    return dim in (-1, ndim - 1)
+
+
+def _mean_square_source(node: Node) -> Optional[Node]:
+    """``a`` if ``node`` is ``mean(a², dim=-1, keepdim=True)`` (up to casts), else None."""
+    node = _strip_casts(node)
+    if op_of(node) != "mean":
+        return None
+    dim, keepdim = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
+    square = _strip_casts(node.args[0])
+    ndim = len(shape_of(square) or ())
+    if not keepdim or not _is_last_dim(dim, ndim):
+        return None
+    if op_of(square) == "pow" and scalar_constant(square.args[1]) == 2.0:
+        return _strip_casts(square.args[0])
+    if op_of(square) == "mul" and square.args[0] is square.args[1]:
+        return _strip_casts(square.args[0])
+    return None
+
+
+def _rms_denominator_source(node: Node, invert: bool) -> Optional[Node]:
+    """``a`` if ``node`` is ``rsqrt(mean(a²)+eps)`` (or ``sqrt(...)`` when ``invert``)."""
+    node = _strip_casts(node)
+    if op_of(node) != ("sqrt" if invert else "rsqrt"):
+        return None
+    inner = _strip_casts(node.args[0])
+    if op_of(inner) == "add":
+        for ms, eps in ((inner.args[0], inner.args[1]), (inner.args[1], inner.args[0])):
+            value = scalar_constant(eps)
+            if value is not None and value >= 0 and isinstance(ms, Node):
+                return _mean_square_source(ms)
+        return None
+    return _mean_square_source(inner)
+
+
+def _decomposed_rms(node: Node) -> Optional[Node]:
+    """``a`` if ``node`` is ``a * rsqrt(mean(a²)+eps)`` or ``a / sqrt(mean(a²)+eps)``."""
+    op = op_of(node)
+    if op == "mul":
+        pairs = ((node.args[0], node.args[1]), (node.args[1], node.args[0]))
+        invert = False
+    elif op == "div":
+        pairs = ((node.args[0], node.args[1]),)
+        invert = True
+    else:
+        return None
+    for a, r in pairs:
+        if isinstance(a, Node) and isinstance(r, Node):
+            source = _rms_denominator_source(r, invert)
+            if source is not None and source is _strip_casts(a):
+                return source
+    return None
+
+
+def _per_channel(value, d: int, kinds: ValueKinds) -> bool:
+    if scalar_constant(value) is not None:
+        return True
+    if not kinds.is_param(value):
+        return False
+    shape = shape_of(value) or ()
+    return all(s == 1 for s in shape[:-1]) and (not shape or shape[-1] in (1, d))
+
+
+def trace_normalized_input(x: Node, kinds: ValueKinds, projection: Node) -> NormalizedInput:
+    """Walk from a projection's input back to the normalization bounding ``‖x̂‖ ≤ √d``."""
+    ops_after_norm: list = []        # collected backwards
+    radius_factor, node = 1.0, x
+    d = (shape_of(x) or (0,))[-1]
+    for _ in range(64):
+        op = op_of(node)
+        if op == "layer_norm":
+            shape = arg(node, 1, "normalized_shape")
+            if len(tuple(shape)) != 1:
+                raise Unsupported(f"`{node.name}`: layer_norm over {tuple(shape)} does not "
+                                  "bound each token's vector")
+            w, b = arg(node, 2, "weight"), arg(node, 3, "bias")
+            head = [("mul", w)] if w is not None else []
+            head += [("add", b)] if b is not None else []
+            return NormalizedInput("layernorm", node, d, tuple(head + ops_after_norm[::-1]),
+                                   radius_factor)
+        if op == "rms_norm":
+            w = arg(node, 2, "weight")
+            head = [("mul", w)] if w is not None else []
+            return NormalizedInput("rmsnorm", node, d, tuple(head + ops_after_norm[::-1]),
+                                   radius_factor)
+        if op == "encoder_layer" and not arg(node, 8, "norm_first"):
+            head = [("mul", node.args[12]), ("add", node.args[13])]
+            return NormalizedInput("layernorm", node, d, tuple(head + ops_after_norm[::-1]),
+                                   radius_factor)
+        if op in ("mul", "div") and _decomposed_rms(node) is not None:
+            return NormalizedInput("rmsnorm", node, d, tuple(ops_after_norm[::-1]),
+                                   radius_factor)
+        node, radius_factor = _step_back(node, op, d, kinds, ops_after_norm, radius_factor,
+                                         projection)
+    raise Unsupported(f"no normalization found within 64 ops before `{projection.name}`")
+
+
+def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
+    def fail(detail=""):
+        raise Unsupported(f"no normalization before the projection `{projection.name}`: "
+                          f"reached `{node.name}` ({op or node.op}){detail}")
+
+    if op in VALUE_CASTS:
+        return node.args[0], radius_factor
+    if op in ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute",
+              "contiguous", "getitem", "expand"):
+        src = node.args[0]
+        if not isinstance(src, Node) or (shape_of(src) or (0,))[-1] != d or \
+                not _keeps_last_dim(node, op):
+            fail(": it mixes the feature dimension")
+        return src, radius_factor
+    if op == "dropout":
+        p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
+        if training and p > 0:
+            radius_factor /= (1.0 - p)  # dropout(x) = x ⊙ mask/(1−p): ‖·‖ ≤ ‖x‖/(1−p)
+        return node.args[0], radius_factor
+    if op in ("mul", "add", "div", "sub"):
+        a, b = node.args[0], node.args[1]
+        for act, other in ((a, b), (b, a)) if op in ("mul", "add") else ((a, b),):
+            if isinstance(act, Node) and kinds.is_activation(act) and _per_channel(other, d,
+                                                                                   kinds):
+                if radius_factor != 1.0 and op in ("add", "sub"):
+                    fail(": an offset under training-mode dropout")
+                value = scalar_constant(other)
+                if op == "div":
+                    if value is None or value == 0:
+                        fail()
+                    ops_after_norm.append(("mul", 1.0 / value))
+                elif op == "sub":
+                    if value is None:
+                        fail()
+                    ops_after_norm.append(("add", -value))
+                else:
+                    ops_after_norm.append((op, value if value is not None else other))
+                return act, radius_factor
+    fail()
+
+
+def _keeps_last_dim(node: Node, op: str) -> bool:
+    ndim = len(shape_of(node) or ())
+    if op == "transpose":
+        dims = [arg(node, 1, "dim0"), arg(node, 2, "dim1")]
+        return not any(_is_last_dim(dim, ndim) for dim in dims)
+    if op == "permute":
+        dims = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
+        return _is_last_dim(dims[-1], ndim)
+    if op == "getitem":
+        index = node.args[1]
+        index = index if isinstance(index, tuple) else (index,)
+        if Ellipsis in index:
+            return index[-1] == slice(None) or index[-1] is Ellipsis
+        return len(index) < ndim or index[-1] == slice(None)
+    if op in ("unsqueeze", "squeeze"):
+        dim = arg(node, 1, "dim")
+        return dim is not None and not _is_last_dim(dim, ndim)
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# Heads at the operand
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HeadRows:
+    features: tuple[tuple[int, ...], ...]   # per head, in first-appearance order
+    head_of_row: torch.Tensor               # head index per leading position, leading shape
+    gain: float
+    rotation: float                         # 0: not rotated
+    partial_rotation: bool
+
+
+def head_rows(track: Track, node: Node, role: str) -> HeadRows:
+    """Per-head feature lists at an operand shaped ``(*leading, L, d_h)``."""
+    if len(track.shape) < 2:
+        raise Unsupported(f"the {role} `{node.name}` has shape {track.shape}")
+    width = track.shape[-1]
+    if not bool((track.tok == track.tok[..., :1]).all()):
+        raise Unsupported(f"the {role} `{node.name}` mixes tokens within a head vector")
+    if not bool((track.feat == track.feat[..., :1, :]).all()):
+        raise Unsupported(f"the {role} `{node.name}` uses different weights at different "
+                          "positions")
+    gains = track.gain.reshape(-1)
+    if not bool((gains == gains[0]).all()):
+        raise Unsupported(f"the {role} `{node.name}` is scaled non-uniformly")
+    rows = track.feat[..., 0, :].reshape(-1, width).tolist()
+    index: dict[tuple, int] = {}
+    head_of_row = [index.setdefault(tuple(r), len(index)) for r in rows]
+    rotated = track.rot > 0
+    rotation = float(track.rot.max()) if bool(rotated.any()) else 0.0
+    return HeadRows(tuple(index), torch.tensor(head_of_row).view(track.shape[:-2]),
+                    float(gains[0]), rotation, bool(rotated.any() and not rotated.all()))
+
+
+def parameter_names(projection: ProjectionOp) -> tuple[str, str]:
+    weight = _strip_casts(projection.weight)
+    bias = projection.bias
+    return (parameter_name(weight) if weight.op == "placeholder" else weight.name,
+            "" if bias is None else parameter_name(bias) if bias.op == "placeholder"
+            else bias.name)
+
+
+def radius(model_dim: int, factor: float) -> float:
+    return factor * math.sqrt(model_dim)

@@ -1,0 +1,324 @@
+"""Index tracking: replay the ops between a projection and an attention operand on indices.
+
+Instead of one hand-written pattern per layout (split vs chunk vs slicing, per-head interleaved
+fused QKV, GQA ``expand`` + ``reshape`` …), the chain of data-movement ops between a projection
+output ``P`` (shape ``(..., F)``) and an attention operand is *executed* on integer tensors
+shaped like ``P``: ``feat`` holds each element's output feature ``f``, ``tok`` its token row.
+Whatever the ops do, the operand's ``feat`` then says exactly which column of ``W`` produced
+each element — the normal form the analysis needs. Scalar multiplications and sign flips are
+tracked in ``gain``; a rotary embedding (``x·cos + rot(x)·sin``) is recognised as a unit and
+verified to be a rotation, its norm factor kept in ``rot``.
+
+Anything else on the path raises :class:`Unsupported` naming the node.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.fx import Node
+
+from geoscale_fx.passes.graph_ops import (
+    DATA_MOVEMENT, VALUE_CASTS, arg, example_value, op_of, scalar_constant, shape_of,
+    static_int,
+)
+from geoscale_fx.passes.site import Rotary
+
+__all__ = ["Unsupported", "Track", "RotaryTerm", "replay"]
+
+
+class Unsupported(Exception):
+    """The analysis cannot certify a site; the message names the graph node and the reason."""
+
+
+@dataclass
+class Track:
+    """Index tensors shaped like a value on the path from a projection ``P`` (..., F)."""
+    feat: torch.Tensor   # int32: output feature of P that this element is
+    tok: torch.Tensor    # int32: flat row (token) of P it comes from
+    gain: torch.Tensor   # float32: product of scalar factors and signs since P
+    rot: torch.Tensor    # float32: norm factor of a rotation applied (0 = none)
+
+    @classmethod
+    def root(cls, shape: tuple[int, ...]) -> "Track":
+        n_rows, n_feat = math.prod(shape[:-1]), shape[-1]
+        feat = torch.arange(n_feat, dtype=torch.int32).expand(shape)
+        tok = torch.arange(n_rows, dtype=torch.int32).view(*shape[:-1], 1).expand(shape)
+        gain = torch.ones((), dtype=torch.float32).expand(shape)
+        rot = torch.zeros((), dtype=torch.float32).expand(shape)
+        return cls(feat, tok, gain, rot)
+
+    def map(self, fn: Callable[[torch.Tensor], Any]) -> "Track":
+        return Track(fn(self.feat), fn(self.tok), fn(self.gain), fn(self.rot))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.feat.shape)
+
+
+@dataclass
+class RotaryTerm:
+    """``track * table`` where the table is ``m · cos(E)`` or ``m · sin(E)`` (half of RoPE)."""
+    track: Track
+    trig: str            # "cos" | "sin"
+    angles: Node         # E
+    factor: float        # m
+    chain: tuple         # the view ops from cos/sin(E) to the table, to compare both halves
+    table: Node
+
+
+def replay(path: list[Node], root: Node, resolver: "AngleChecker") -> dict[Node, Any]:
+    """Replay ``path`` (topologically ordered nodes between ``root`` and an operand)."""
+    shape = shape_of(root)
+    if shape is None:
+        raise Unsupported(f"projection `{root.name}` has no recorded shape")
+    env: dict[Node, Any] = {root: Track.root(shape)}
+    for node in path:
+        if node is not root:
+            env[node] = _replay_node(node, env, resolver)
+    return env
+
+
+# --------------------------------------------------------------------------------------
+
+def _static(value: Any, env: dict[Node, Any]) -> Any:
+    """Resolve a non-tracked argument to a static Python value (sizes, dims, slices)."""
+    if isinstance(value, Node):
+        if value in env:
+            raise Unsupported(f"`{value.name}` is used as a size or index")
+        ev = example_value(value)
+        if isinstance(ev, (int, float, bool, torch.SymInt, torch.SymFloat)):
+            return static_int(ev) if isinstance(ev, (int, torch.SymInt)) else ev
+        if isinstance(ev, torch.Size):
+            return tuple(static_int(s) for s in ev)
+        raise Unsupported(f"`{value.name}` ({op_of(value) or value.op}) is a tensor used as "
+                          "an index or size on the query/key path")
+    if isinstance(value, slice):
+        return slice(_static(value.start, env), _static(value.stop, env),
+                     _static(value.step, env))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_static(v, env) for v in value)
+    if isinstance(value, torch.SymInt):
+        return static_int(value)
+    return value
+
+
+def _apply(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
+    """Run ``node``'s op with each index tensor of ``tracked`` in its place."""
+    args = [None if a is tracked else _static(a, env) for a in node.args]
+    kwargs = {k: _static(v, env) for k, v in node.kwargs.items()}
+    if op in ("expand_as", "view_as"):
+        other = node.args[1]
+        if other is tracked:
+            raise Unsupported(f"`{node.name}`: {op} of the query/key with itself")
+        shape = shape_of(other)
+        fn = (lambda t: t.expand(shape)) if op == "expand_as" else (lambda t: t.reshape(shape))
+        return env[tracked].map(fn)
+    if node.op == "call_method":
+        method = "reshape" if node.target == "view" else node.target
+        if method == "reshape" and any(isinstance(a, torch.dtype) for a in args[1:]):
+            raise Unsupported(f"`{node.name}`: view as another dtype reinterprets bits")
+
+        def fn(t):
+            return getattr(t, method)(*args[1:], **kwargs)
+    else:
+        position = node.args.index(tracked)
+
+        def fn(t):
+            call = list(args)
+            call[position] = t
+            return node.target(*call, **kwargs)
+    track = env[tracked]
+    parts = [fn(t) for t in (track.feat, track.tok, track.gain, track.rot)]
+    if isinstance(parts[0], (tuple, list)):  # split / chunk / unbind
+        return tuple(Track(*p) for p in zip(*parts))
+    return Track(*parts)
+
+
+def _single_tracked(node: Node, env: dict[Node, Any]) -> Node:
+    tracked = [n for n in node.all_input_nodes if n in env]
+    if len(tracked) != 1:
+        raise Unsupported(f"`{node.name}` ({op_of(node) or node.target}) combines "
+                          f"{len(tracked)} values derived from the projection")
+    return tracked[0]
+
+
+def _replay_node(node: Node, env: dict[Node, Any], checker: "AngleChecker") -> Any:
+    op = op_of(node)
+    if op in ("cat", "stack"):
+        return _replay_concat(node, env, op)
+    if op == "add":
+        return _replay_add(node, env, checker)
+    tracked = _single_tracked(node, env)
+    value = env[tracked]
+    if isinstance(value, RotaryTerm):
+        raise Unsupported(f"`{node.name}` ({op}) uses half of a rotary embedding on its own")
+    if op == "getitem" and isinstance(value, tuple):
+        return value[_static(node.args[1], env)]
+    if op in VALUE_CASTS:
+        return value
+    if op == "dropout":
+        p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
+        if not training or p == 0:
+            return value
+        raise Unsupported(f"`{node.name}`: dropout (training) applied to queries/keys")
+    if op == "neg":
+        return Track(value.feat, value.tok, -value.gain, value.rot)
+    if op in ("mul", "div"):
+        return _replay_scale(node, tracked, env, op)
+    if op in DATA_MOVEMENT:
+        return _apply(node, tracked, env, op)
+    raise Unsupported(f"`{node.name}` ({op or node.target}) on the path from the projection "
+                      "is not a reshape, slice, cast, scalar scale or rotary embedding")
+
+
+def _replay_concat(node: Node, env: dict[Node, Any], op: str) -> Track:
+    tensors = arg(node, 0, "tensors")
+    dim = _static(arg(node, 1, "dim", 0), env)
+    parts = []
+    for t in tensors:
+        if isinstance(t, Node) and t in env:
+            if not isinstance(env[t], Track):
+                raise Unsupported(f"`{node.name}`: {op} of a partial rotary term")
+            parts.append(env[t])
+            continue
+        shape = shape_of(t)
+        if shape is not None and math.prod(shape) == 0:
+            continue  # torch.cat([torch.tensor([]), k]): an empty (KV-cache) prefix
+        name = t.name if isinstance(t, Node) else repr(t)
+        raise Unsupported(f"`{node.name}`: {op} with `{name}`, which does not come from the "
+                          "projection (e.g. a KV cache); its logits cannot be bounded")
+    if op == "cat" and len(parts) == 1:
+        return parts[0]
+    fn = torch.cat if op == "cat" else torch.stack
+    return Track(*(fn([getattr(p, f) for p in parts], dim) for f in ("feat", "tok", "gain",
+                                                                     "rot")))
+
+
+def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
+    other = node.args[1] if node.args[0] is tracked else node.args[0]
+    if op == "div" and node.args[0] is not tracked:
+        raise Unsupported(f"`{node.name}`: divides by the query/key")
+    value = scalar_constant(other)
+    if value is not None:
+        factor = 1.0 / value if op == "div" else value
+        track = env[tracked]
+        return Track(track.feat, track.tok, track.gain * factor, track.rot)
+    if op == "mul" and isinstance(other, Node):
+        trig = _trig_origin(other)
+        if trig is not None:
+            return RotaryTerm(env[tracked], *trig, table=other)
+    name = other.name if isinstance(other, Node) else repr(other)
+    raise Unsupported(f"`{node.name}`: {op} of the query/key by `{name}`, which is neither a "
+                      "constant nor a rotary cos/sin table")
+
+
+_TABLE_VIEWS = frozenset({"unsqueeze", "view", "reshape", "getitem", "expand", "squeeze",
+                          "transpose", "permute", "flatten"})
+
+
+def _trig_origin(table: Node):
+    """``(trig, E, m, chain)`` if ``table`` is ``m·cos(E)`` or ``m·sin(E)`` up to views."""
+    factor, chain, node = 1.0, [], table
+    for _ in range(32):
+        op = op_of(node)
+        if op in ("cos", "sin"):
+            return op, node.args[0], factor, tuple(reversed(chain))
+        if op in VALUE_CASTS:
+            node = node.args[0]
+        elif op == "mul" and isinstance(node.args[0], Node) and \
+                scalar_constant(node.args[1]) is not None:
+            factor *= scalar_constant(node.args[1])
+            node = node.args[0]
+        elif op == "mul" and isinstance(node.args[1], Node) and \
+                scalar_constant(node.args[0]) is not None:
+            factor *= scalar_constant(node.args[0])
+            node = node.args[1]
+        elif op in _TABLE_VIEWS and isinstance(node.args[0], Node):
+            chain.append((op, tuple(a.name if isinstance(a, Node) else a for a in node.args[1:])))
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+def _replay_add(node: Node, env: dict[Node, Any], checker: "AngleChecker") -> Track:
+    terms = [env.get(a) if isinstance(a, Node) else None for a in node.args[:2]]
+    if not all(isinstance(t, RotaryTerm) for t in terms):
+        raise Unsupported(f"`{node.name}` adds to the query/key something other than a rotary "
+                          "embedding's second half (e.g. a bias after reshaping, or a mix of "
+                          "two projections)")
+    cos_terms = [t for t in terms if t.trig == "cos"]
+    sin_terms = [t for t in terms if t.trig == "sin"]
+    if len(cos_terms) != 1 or len(sin_terms) != 1:
+        raise Unsupported(f"`{node.name}`: a rotary embedding needs one cos and one sin term")
+    return _rotate(node, cos_terms[0], sin_terms[0], checker)
+
+
+def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -> Track:
+    a, r = c.track, s.track
+    if a.shape != r.shape:
+        raise Unsupported(f"`{node.name}`: rotary halves have shapes {a.shape} and {r.shape}")
+    width = a.shape[-1]
+    a_feat, r_feat = a.feat.reshape(-1, width), r.feat.reshape(-1, width)
+    position = {int(f): j for j, f in enumerate(a_feat[0].tolist())}
+    pairing = [position.get(int(f), -1) for f in r_feat[0].tolist()]
+    index = torch.tensor(pairing)
+    ok = (sorted(pairing) == list(range(width))
+          and all(pairing[p] == j and p != j for j, p in enumerate(pairing))
+          and bool((r_feat == a_feat[:, index]).all())
+          and bool((r.tok == a.tok).all()))
+    if not ok:
+        raise Unsupported(f"`{node.name}`: the sin term is not a pairwise swap of the cos "
+                          "term's elements, so this is not a rotation")
+    sign = (r.gain.reshape(-1, width) / a.gain.reshape(-1, width)[:, index])
+    if not bool((sign.abs() == 1).all()) or not bool((sign == sign[:1]).all()) or \
+            not bool((sign[0] == -sign[0, index]).all()):
+        raise Unsupported(f"`{node.name}`: the rotary swap has the wrong signs for a rotation")
+    factor = max(abs(c.factor), abs(s.factor))
+    verified = (c.angles is s.angles and c.chain == s.chain and c.factor == s.factor
+                and checker.paired(c.angles, pairing))
+    if not verified:
+        factor *= math.sqrt(2.0)  # each 2×2 block has rows of norm ≤ m: ‖block‖₂ ≤ √2·m
+    half = width // 2
+    style = ("rotate_half" if pairing == [(j + half) % width for j in range(width)] else
+             "interleaved" if pairing == [j ^ 1 for j in range(width)] else "other")
+    checker.record(Rotary(style=style, factor=factor, pairing_verified=verified,
+                          pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name))
+    rot = torch.full(a.shape, factor, dtype=torch.float32)
+    return Track(a.feat, a.tok, a.gain, rot)
+
+
+class AngleChecker:
+    """Verifies that paired rotary elements share their angle (``E[j] == E[pairing[j]]``).
+
+    Structural proof first (``E = cat((f, f), -1)`` for rotate-half, ``repeat_interleave``
+    by 2 for interleaved); otherwise numerically, when ``E`` depends only on constants and
+    buffers (``evaluate`` returns None when it cannot). Records the rotaries it saw.
+    """
+
+    def __init__(self, evaluate: Callable[[Node], torch.Tensor | None]):
+        self._evaluate = evaluate
+        self.rotaries: list[Rotary] = []
+
+    def record(self, rotary: Rotary) -> None:
+        self.rotaries.append(rotary)
+
+    def paired(self, angles: Node, pairing: list[int]) -> bool:
+        width = len(pairing)
+        op = op_of(angles)
+        if op == "cat":
+            parts, dim = arg(angles, 0, "tensors"), arg(angles, 1, "dim", 0)
+            last = dim in (-1, len(shape_of(angles) or ()) - 1)
+            if last and len(parts) == 2 and parts[0] is parts[1] and \
+                    pairing == [(j + width // 2) % width for j in range(width)]:
+                return True
+        if op == "repeat_interleave" and arg(angles, 1, "repeats") == 2 and \
+                pairing == [j ^ 1 for j in range(width)]:
+            return True
+        values = self._evaluate(angles)
+        if values is None or values.shape[-1] != width or values.device.type == "meta":
+            return False
+        return bool((values == values[..., pairing]).all())

@@ -1,0 +1,139 @@
+"""Independent checks of an analysed site against what the captured graph really computes.
+
+The graph is re-run with ``torch.fx.Interpreter`` recording every node; queries and keys are
+read from the attention's own operands (before RoPE: the operand of the ``· cos`` product),
+the normalized input x̂ is recomputed from the normalization's *input* with torch's own
+``layer_norm`` / ``rms_norm`` (no affine), and logits come from the operands, not from the
+analysis.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Interpreter
+
+from geoscale_fx.passes.graph_ops import arg, op_of
+
+
+class Recorder(Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def record(gm, example_inputs) -> dict:
+    rec = Recorder(gm)
+    rec.run(*[int(x.node.hint) if isinstance(x, torch.SymInt) else x for x in example_inputs])
+    return rec.values
+
+
+def _node(gm, name):
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def normalized_input(gm, values, projection) -> torch.Tensor:
+    """x̂ (no gain/offset) recomputed from the normalization node's input, shape (..., d)."""
+    node = _node(gm, projection.norm_node)
+    op = op_of(node)
+    d = projection.model_dim
+    if op == "layer_norm":
+        return F.layer_norm(values[node.args[0].name], (d,), eps=arg(node, 4, "eps", 1e-5))
+    if op == "rms_norm":
+        return F.rms_norm(values[node.args[0].name], (d,), eps=arg(node, 3, "eps"))
+    if op == "encoder_layer":
+        src = values[node.args[0].name]
+        if node.args[8]:  # norm_first: the layer normalizes its own input
+            return F.layer_norm(src, (d,), eps=node.args[9])
+        raise AssertionError("post-norm encoder layers are traced to the previous layer")
+    return values[node.name]  # decomposed RMSNorm: the node is x * rsqrt(mean(x²) + eps)
+
+
+def recomputed(site, side, x_hat) -> torch.Tensor:
+    """(..., n_heads, d_h) from head_weights() on x̂."""
+    hw = site.head_weights()
+    a, c = (hw.a_q, hw.c_q) if side == "q" else (hw.a_k, hw.c_k)
+    out = torch.einsum("...d,ndj->...nj", x_hat.to(a.dtype), a)
+    return out + c if c is not None else out
+
+
+def operands(gm, site):
+    """(q, k) operand nodes of the site with the key as (…, L', D)."""
+    if site.kind == "sdpa":
+        node = _node(gm, site.node)
+        return node.args[0], node.args[1], False
+    scores = _node(gm, site.node_name("scores"))
+    if op_of(scores) == "einsum":
+        return scores.args[1], scores.args[2], False
+    if op_of(scores) == "baddbmm":
+        return scores.args[1], scores.args[2], True
+    return scores.args[0], scores.args[1], True
+
+
+def pre_rope(gm, values, operand, rotary):
+    """The operand's value before its rotary embedding (the factor of ``· cos``)."""
+    if rotary is None:
+        return values[operand.name], None
+    ancestors, stack = set(), [operand]
+    while stack:
+        n = stack.pop()
+        if n not in ancestors:
+            ancestors.add(n)
+            stack.extend(n.all_input_nodes)
+    cos = _node(gm, rotary.cos_node)
+    for user in cos.users:
+        if op_of(user) == "mul" and user in ancestors:
+            other = user.args[0] if user.args[1] is cos else user.args[1]
+            return values[other.name], values[operand.name]
+    raise AssertionError("no ·cos product found")
+
+
+def to_bhld(t, batch):
+    """(B, H, L, D) from (B, H, L, D) or heads merged into the batch (B·H, L, D)."""
+    return t if t.dim() == 4 else t.reshape(batch, -1, t.shape[-2], t.shape[-1])
+
+
+def check_projection_matches(gm, values, site, batch, atol=1e-5):
+    """q and k recomputed from head_weights() equal the model's own (before RoPE)."""
+    q_node, k_node, k_transposed = operands(gm, site)
+    for side, node, proj in (("q", q_node, site.q), ("k", k_node, site.k)):
+        x_hat = normalized_input(gm, values, proj)
+        rec = proj.operand_gain * recomputed(site, side, x_hat).transpose(-2, -3)  # (B,n,L,d_h)
+        real, rotated_out = pre_rope(gm, values, node, proj.rotary)
+        if side == "k" and k_transposed and proj.rotary is None:
+            real = real.transpose(-1, -2)
+        real = to_bhld(real, batch)
+        width = real.shape[-1]
+        rec_part = rec[..., :width]
+        if real.shape[1] != rec.shape[1]:                           # GQA repeated keys
+            rec_part = rec_part.repeat_interleave(real.shape[1] // rec.shape[1], dim=1)
+        torch.testing.assert_close(real.to(rec.dtype), rec_part, atol=atol, rtol=1e-4)
+        if rotated_out is not None and width < rec.shape[-1]:       # partial rotary: the rest
+            rest = to_bhld(rotated_out, batch)[..., width:]
+            torch.testing.assert_close(rest.to(rec.dtype), rec[..., width:], atol=atol,
+                                       rtol=1e-4)
+
+
+def observed_logits(gm, values, site, batch) -> torch.Tensor:
+    """Per query head max |S| over the batch, from the operands and the site's own scale."""
+    q_node, k_node, k_transposed = operands(gm, site)
+    q = to_bhld(values[q_node.name], batch)
+    k = values[k_node.name]
+    k = to_bhld(k.transpose(-1, -2) if k_transposed else k, batch)
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = site.softmax_scale * (q.double() @ k.double().transpose(-1, -2))
+    return s.abs().amax(dim=(0, 2, 3))
+
+
+def mha_projection_reference(module_in_proj_weight, module_in_proj_bias, x_affine, n_heads):
+    """q, k of nn.MultiheadAttention computed from the module's own parameters."""
+    e = module_in_proj_weight.shape[1]
+    qkv = F.linear(x_affine, module_in_proj_weight, module_in_proj_bias)
+    q, k = qkv[..., :e], qkv[..., e:2 * e]
+    shape = x_affine.shape[:-1] + (n_heads, e // n_heads)
+    return q.reshape(shape), k.reshape(shape)

@@ -1,0 +1,223 @@
+"""Small hand-written attention blocks that exercise the analysis beyond the model zoo.
+
+Each builds attention from plain ops in a way no library model does, so a pass that keyed on
+module names or one fixed pattern would miss them. ``VARIANTS`` maps a name to
+``(factory, expected)`` where ``expected`` lists what the analysis must find.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+D, H = 64, 4
+DH = D // H
+
+
+class RMSNormDecomposed(nn.Module):
+    def __init__(self, d, gemma=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d) if gemma else torch.ones(d))
+        self.gemma = gemma
+
+    def forward(self, x):
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * (1.0 + self.weight) if self.gemma else self.weight * x
+
+
+def _rope_tables(seq_len, dh, interleaved=False):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dh, 2).float() / dh))
+    freqs = torch.arange(seq_len).float()[:, None] * inv_freq[None, :]   # (L, dh/2)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), -1)
+    return emb.cos(), emb.sin()                                          # (L, dh)
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_every_two(x):
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    """A configurable self-attention block; each flag selects one surface form."""
+
+    def __init__(self, *, norm="layernorm", layout="separate", attn="sdpa", rope=None,
+                 prescale=False, qk_bias=False, gqa=1, partial_rope=False):
+        super().__init__()
+        self.norm = {"layernorm": nn.LayerNorm(D), "rmsnorm": nn.RMSNorm(D),
+                     "rms_decomposed": RMSNormDecomposed(D),
+                     "gemma": RMSNormDecomposed(D, gemma=True), "none": nn.Identity()}[norm]
+        self.layout, self.attn, self.rope, self.prescale = layout, attn, rope, prescale
+        self.kv_heads = H // gqa
+        self.partial_rope = partial_rope
+        if layout == "separate":
+            self.q = nn.Linear(D, D, bias=qk_bias)
+            self.k = nn.Linear(D, self.kv_heads * DH, bias=qk_bias)
+            self.v = nn.Linear(D, self.kv_heads * DH, bias=qk_bias)
+        else:
+            self.qkv = nn.Linear(D, 3 * D, bias=qk_bias)
+        self.out = nn.Linear(D, D)
+
+    def _qkv(self, x):
+        B, L, _ = x.shape
+        if self.layout == "separate":
+            q = self.q(x).view(B, L, H, DH).transpose(1, 2)                  # (B, H, L, dh)
+            k = self.k(x).view(B, L, self.kv_heads, DH).transpose(1, 2)
+            v = self.v(x).view(B, L, self.kv_heads, DH).transpose(1, 2)
+        elif self.layout == "fused_chunk":
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            q, k, v = (t.reshape(B, L, H, DH).permute(0, 2, 1, 3) for t in (q, k, v))
+        else:  # "interleaved": per head [q_h | k_h | v_h] in the fused output
+            qkv = self.qkv(x).view(B, L, H, 3 * DH)                          # (B, L, H, 3dh)
+            q, k, v = qkv.split(DH, dim=-1)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return q, k, v
+
+    def _apply_rope(self, q, k):
+        L = q.shape[-2]
+        rot = DH // 2 if self.partial_rope else DH
+        cos, sin = _rope_tables(L, rot, interleaved=self.rope == "interleaved")
+        turn = _rotate_every_two if self.rope == "interleaved" else _rotate_half
+
+        def apply(t):
+            t_rot, t_pass = t[..., :rot], t[..., rot:]
+            t_rot = t_rot * cos + turn(t_rot) * sin
+            return torch.cat((t_rot, t_pass), dim=-1) if self.partial_rope else t_rot
+
+        return apply(q), apply(k)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        h = self.norm(x)
+        q, k, v = self._qkv(h)
+        if self.rope:
+            q, k = self._apply_rope(q, k)
+        if self.kv_heads != H:
+            k = k.repeat_interleave(H // self.kv_heads, dim=1)
+            v = v.repeat_interleave(H // self.kv_heads, dim=1)
+        y = self._attend(q, k, v, B, L)
+        return x + self.out(y.transpose(1, 2).reshape(B, L, D))
+
+    def _attend(self, q, k, v, B, L):
+        scale = 1.0 / math.sqrt(DH)
+        if self.prescale:  # scale both sides by d_h^{-1/4} before the product
+            q, k = q * DH ** -0.25, k * DH ** -0.25
+            scale = 1.0
+        if self.attn == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        if self.attn == "einsum":
+            s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+            mask = torch.ones(L, L, dtype=torch.bool).tril()
+            p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+            return torch.einsum("bhqk,bhkd->bhqd", p, v)
+        if self.attn == "bmm":  # heads merged into the batch dimension
+            qb = q.reshape(B * H, L, DH)
+            kb = k.reshape(B * H, L, DH)
+            s = torch.bmm(qb, kb.transpose(1, 2)) / math.sqrt(DH) if not self.prescale \
+                else torch.bmm(qb, kb.transpose(1, 2))
+            s = s + torch.full((L, L), float("-inf")).triu(1)
+            p = F.softmax(s.float(), dim=-1).to(q.dtype)
+            return torch.bmm(p, v.reshape(B * H, L, DH)).view(B, H, L, DH)
+        s = (q @ k.transpose(-2, -1)) * scale
+        s = torch.where(torch.ones(L, L, dtype=torch.bool).tril(), s, float("-inf"))
+        return F.dropout(F.softmax(s, dim=-1), p=0.0) @ v
+
+
+class Unnormalized(nn.Module):
+    """Attention straight on the residual stream: no normalization bounds ‖x‖."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block(norm="none")
+
+    def forward(self, x):
+        return self.block(x)
+
+
+class SoftmaxClassifier(nn.Module):
+    """A softmax over class logits and a matmul with a parameter: not attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 10)
+        self.proto = nn.Parameter(torch.randn(10, D))
+
+    def forward(self, x):
+        p = F.softmax(self.head(self.ln(x)), dim=-1)        # (B, L, 10)
+        return p @ self.proto                               # looks like ·V, but V is a weight
+
+
+class QueryIsInput(nn.Module):
+    """softmax(x xᵀ) x: shaped like attention, but no projection produces the query."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return F.softmax(h @ h.transpose(-2, -1), dim=-1) @ h
+
+
+class KVCache(nn.Module):
+    """Keys concatenated with a cache passed in by the caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x, past_k):
+        B, L, _ = x.shape
+        q, k, v = self.block._qkv(self.block.norm(x))
+        k = torch.cat([past_k, k], dim=-2)
+        v = torch.cat([past_k, v], dim=-2)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class LoRAQuery(nn.Module):
+    """The query is the sum of two projections (a LoRA adapter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.lora_a = nn.Linear(D, 4, bias=False)
+        self.lora_b = nn.Linear(4, D, bias=False)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        h = self.block.norm(x)
+        q = (self.block.q(h) + self.lora_b(self.lora_a(h))).view(B, L, H, DH).transpose(1, 2)
+        _, k, v = self.block._qkv(h)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def block(**kw):
+    return lambda: Block(**kw)
+
+
+#: name -> (factory, {expected fields})
+VARIANTS = {
+    "layernorm_sdpa": (block(), dict(norm="layernorm", n_kv_heads=H)),
+    "rmsnorm_fused": (block(norm="rmsnorm"), dict(norm="rmsnorm")),
+    "rms_decomposed_explicit": (block(norm="rms_decomposed", attn="explicit"),
+                                dict(norm="rmsnorm")),
+    "gemma_gain": (block(norm="gemma"), dict(norm="rmsnorm")),
+    "fused_chunk_bias": (block(layout="fused_chunk", qk_bias=True), dict(norm="layernorm")),
+    "interleaved_fused": (block(layout="interleaved", qk_bias=True), dict(norm="layernorm")),
+    "einsum": (block(attn="einsum"), dict()),
+    "bmm_merged_heads": (block(attn="bmm"), dict()),
+    "prescaled_qk": (block(prescale=True, attn="explicit"), dict(softmax_scale=DH ** -0.5)),
+    "prescaled_bmm": (block(prescale=True, attn="bmm"), dict(softmax_scale=DH ** -0.5)),
+    "rope_rotate_half_gqa": (block(rope="half", gqa=2, norm="rmsnorm"),
+                             dict(rope=True, n_kv_heads=H // 2)),
+    "rope_interleaved": (block(rope="interleaved", attn="explicit"), dict(rope=True)),
+    "rope_partial": (block(rope="half", partial_rope=True), dict(rope=True)),
+}
