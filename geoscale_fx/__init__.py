@@ -2,6 +2,11 @@
 
 Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
 
+    torch.compile(model, backend="geoscale")      # the backend, default options
+    geoscale_fx.backend(**options)                # a configured backend
+    geoscale_fx.wrap(model, **options)            # compiled module; state in state_dict
+    geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
+    geoscale_fx.GeoscaleOptions                   # the options (validated)
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
     geoscale_fx.bounds      bounds on |S| and the paper's α/γ calibration rule
@@ -18,6 +23,12 @@ _LAZY = {
     "bounds": ("geoscale_fx.bounds", None),
     "spectral": ("geoscale_fx.spectral", None),
     "find_attention": ("geoscale_fx.capture", "find_attention"),
+    "backend": ("geoscale_fx.backend", "backend"),
+    "GeoscaleBackend": ("geoscale_fx.backend", "GeoscaleBackend"),
+    "GeoscaleOptions": ("geoscale_fx.config", "GeoscaleOptions"),
+    "wrap": ("geoscale_fx.wrap", "wrap"),
+    "GeoscaleModule": ("geoscale_fx.wrap", "GeoscaleModule"),
+    "report": ("geoscale_fx.report", "report"),
     "AttentionSite": ("geoscale_fx.passes.site", "AttentionSite"),
 }
 

@@ -48,10 +48,17 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-len", type=int, default=1024, help="sequence length L (default 1024)")
     b.add_argument("--delta", type=float, default=1e-6, help="target failure probability δ*")
     b.add_argument("--name", default="custom", help="row label for a custom architecture")
+    sub.add_parser("inspect", help="attention sites of a model (see geoscale inspect -h)",
+                   add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["inspect"]:
+        from geoscale_fx.inspect import main as inspect_main
+
+        return inspect_main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "bounds":
         try:

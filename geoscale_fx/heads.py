@@ -17,7 +17,8 @@ from geoscale_fx import bounds, spectral
 from geoscale_fx.passes.site import AttentionSite, HeadWeights, Projection
 
 __all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "projection_heads",
-           "site_head_weights", "site_logit_bound", "site_bound_terms"]
+           "site_head_weights", "site_logit_bound", "site_bound_terms", "rotation_gain",
+           "norm_product_bound"]
 
 Resolve = Callable[[str], torch.Tensor]
 
@@ -102,7 +103,8 @@ def site_head_weights(site: AttentionSite, resolve: Resolve) -> HeadWeights:
     return HeadWeights(a_q, c_q, a_k, c_k)
 
 
-def _rotation_gain(site: AttentionSite) -> float:
+def rotation_gain(site: AttentionSite) -> float:
+    """Bound on how much the rotary embeddings scale ``|qᵀk|`` (1.0 for plain RoPE)."""
     fq = site.q.rotary.factor if site.q.rotary is not None else 1.0
     fk = site.k.rotary.factor if site.k.rotary is not None else 1.0
     return max(fq, 1.0) * max(fk, 1.0)
@@ -140,20 +142,26 @@ def site_logit_bound(site: AttentionSite, head_weights: HeadWeights,
     bound = bounds.affine_logit_bound(terms["sigma"], terms["aq_ck"], terms["ak_cq"],
                                       terms["cq_ck"], radius_q=site.q.radius,
                                       radius_k=site.k.radius, softmax_scale=scale)
-    return bound * _rotation_gain(site) if site.rope else bound
+    return bound * rotation_gain(site) if site.rope else bound
 
 
 def _norm_product(site: AttentionSite, head_weights: HeadWeights,
                   scale: float) -> torch.Tensor:
-    a_q, c_q, a_k, c_k = head_weights
-    group = a_q.shape[0] // a_k.shape[0]
-    aq_norm = spectral.head_spectral_norms(a_q)
-    ak_norm = spectral.head_spectral_norms(a_k).repeat_interleave(group)
-    zeros = aq_norm.new_zeros(aq_norm.shape)
+    return norm_product_bound(site, head_weights, spectral.head_spectral_norms(head_weights.a_q),
+                              spectral.head_spectral_norms(head_weights.a_k))
+
+
+def norm_product_bound(site: AttentionSite, head_weights: HeadWeights, aq_norm: torch.Tensor,
+                       ak_norm: torch.Tensor) -> torch.Tensor:
+    """Certified RoPE bound from per-head ``‖A_q,h‖`` (n_q,) and ``‖A_k,g‖`` (n_kv,)."""
+    _, c_q, _, c_k = head_weights
+    group = aq_norm.shape[0] // ak_norm.shape[0]
+    ak_norm = ak_norm.repeat_interleave(group)
+    zeros = aq_norm.new_zeros(aq_norm.shape, dtype=torch.float64)
     cq_norm = zeros if c_q is None else torch.linalg.vector_norm(c_q.double(), dim=-1)
     ck_norm = zeros if c_k is None else torch.linalg.vector_norm(
         c_k.double(), dim=-1).repeat_interleave(group)
     return bounds.norm_product_logit_bound(aq_norm, ak_norm, cq_norm, ck_norm,
                                            radius_q=site.q.radius, radius_k=site.k.radius,
-                                           softmax_scale=scale,
-                                           rotation_gain=_rotation_gain(site))
+                                           softmax_scale=abs(site.softmax_scale),
+                                           rotation_gain=rotation_gain(site))

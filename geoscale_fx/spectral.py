@@ -47,6 +47,7 @@ __all__ = [
     "per_layer_power_step",
     "per_layer_sigma_exact",
     "head_spectral_norms",
+    "head_norm_power_step",
     "bias_terms",
 ]
 
@@ -230,6 +231,23 @@ def per_layer_sigma_exact(a_q: torch.Tensor, a_k: torch.Tensor) -> torch.Tensor:
 def head_spectral_norms(a: torch.Tensor) -> torch.Tensor:
     """``‖a[h]‖₂`` for every head of ``a: (n, d, d_h)``; ``(n,)`` float64, exact."""
     return torch.linalg.eigvalsh(_gram(a))[..., -1].clamp_min(0.0).sqrt()
+
+
+def head_norm_power_step(a: torch.Tensor, w: torch.Tensor, iters: int = 1) -> torch.Tensor:
+    """Power iteration for ``‖a[h]‖₂`` on ``w: (n, d_h)`` (updated in place); a lower bound.
+
+    Each step is ``w ← aᵀa w / ‖aᵀa w‖`` and the estimate is ``‖a w‖`` — O(n·d·d_h), used
+    per step by the certified RoPE bound ``(ρ‖A_q‖ + ‖c_q‖)(ρ‖A_k‖ + ‖c_k‖)``.
+    """
+    aa = _accumulate(a)
+    ww = w.to(aa.dtype)
+    est = aa.new_zeros(aa.shape[0])
+    for _ in range(iters):
+        aw = (aa @ ww.unsqueeze(-1)).squeeze(-1)                  # (n, d)
+        est = torch.linalg.vector_norm(aw, dim=-1)
+        ww = _unit((aw.unsqueeze(-2) @ aa).squeeze(-2))           # aᵀ(a w), (n, d_h)
+    w.copy_(ww)
+    return est
 
 
 def bias_terms(a_q: torch.Tensor, c_q: torch.Tensor | None, a_k: torch.Tensor,

@@ -8,7 +8,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_fresh_dynamo():
+    """Each test starts from a fresh Dynamo cache (many tests compile instances of one class,
+    which would otherwise accumulate towards the recompile limit) and a fixed seed."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
 
 

@@ -149,7 +149,8 @@ def _fields(cand, q_proj, k_proj, gain, q_len, kv_len, head_of_row) -> dict:
         n_q_heads=q_proj.n_heads, n_kv_heads=k_proj.n_heads, head_dim=q_proj.head_dim,
         model_dim=q_proj.model_dim, norm=q_proj.norm,
         rope=q_proj.rotary is not None or k_proj.rotary is not None,
-        softmax_scale=cand.scale * gain, is_causal=cand.is_causal, has_mask=cand.has_mask,
+        softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
+        has_mask=cand.has_mask,
         dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len, q=q_proj, k=k_proj,
         score_heads=tuple(head_of_row.reshape(-1).tolist()),
         score_lead=tuple(head_of_row.shape))

@@ -35,6 +35,7 @@ class Rotary:
     pairing: tuple[int, ...]
     cos_node: str
     sin_node: str
+    signs: tuple[float, ...] = ()    # rotated term: element j takes signs[j]·x[pairing[j]]
     partial: bool = False            # only part of each head is rotated
 
 
@@ -104,7 +105,8 @@ class AttentionSite:
     model_dim: int = 0
     norm: Optional[str] = None
     rope: bool = False
-    softmax_scale: float = float("nan")
+    softmax_scale: float = float("nan")   # logits S = softmax_scale · (q_h · k_g) from x̂
+    score_scale: float = float("nan")     # factor the site applies to its operands' product
     is_causal: bool = False
     has_mask: bool = False
     dropout_p: float = 0.0

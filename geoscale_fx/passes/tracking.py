@@ -286,7 +286,8 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
     style = ("rotate_half" if pairing == [(j + half) % width for j in range(width)] else
              "interleaved" if pairing == [j ^ 1 for j in range(width)] else "other")
     checker.record(Rotary(style=style, factor=factor, pairing_verified=verified,
-                          pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name))
+                          pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name,
+                          signs=tuple(float(v) for v in sign[0].tolist())))
     rot = torch.full(a.shape, factor, dtype=torch.float32)
     return Track(a.feat, a.tok, a.gain, rot)
 

@@ -1,0 +1,93 @@
+"""Attention with FP8-quantized logits: fused (flex_attention) or explicit.
+
+Both compute ``softmax(M(Q(S / scale) · scale)) V`` with ``S = s · q kᵀ``, ``Q`` the saturating
+FP8 round trip and ``M`` the site's mask, with the semantics of
+``F.scaled_dot_product_attention`` (``attn_mask`` bool or additive, top-left ``is_causal``,
+``enable_gqa``). ``fused_attention`` never materializes the L×L scores (flex_attention with a
+``score_mod``; Inductor lowers it to one kernel); ``explicit_attention`` does, and so can report
+``max |S|`` — needed by audits, delayed/current scaling and auto-α calibration, and for CPU
+training (flex_attention has no CPU backward).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from geoscale_fx.fp8 import fake_quantize_logits, quantize_dequantize
+
+__all__ = ["fused_attention", "explicit_attention", "head_divisor"]
+
+
+def head_divisor(divisor: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``(H, 1, 1)`` divisor for logits shaped ``(..., H, L, L')`` (one scale, or one per head)."""
+    return divisor.expand(n_heads).reshape(n_heads, 1, 1)
+
+
+def _mask_reader(mask: torch.Tensor):
+    """Index a (broadcastable) SDPA mask inside a score_mod: ``read(b, h, q, k)``."""
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    m = mask.reshape(shape)
+
+    def read(b, h, q_idx, kv_idx):
+        zero = torch.zeros_like(q_idx)
+        return m[b if shape[0] > 1 else zero, h if shape[1] > 1 else zero,
+                 q_idx if shape[2] > 1 else zero, kv_idx if shape[3] > 1 else zero]
+    return read
+
+
+def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optional[torch.Tensor],
+                    *, softmax_scale: float, is_causal: bool, enable_gqa: bool,
+                    fmt: str) -> torch.Tensor:
+    """flex_attention whose score_mod quantizes ``S / scale[h]`` (``divisor``: (1,) or (H,))."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    read_mask = _mask_reader(attn_mask) if attn_mask is not None else None
+    is_bool = attn_mask is not None and attn_mask.dtype == torch.bool
+    per_head = divisor is not None and divisor.numel() > 1
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if divisor is not None:
+            d = (divisor[h] if per_head else divisor[0]).to(score.dtype)
+            score = quantize_dequantize(score / d, fmt) * d
+        if read_mask is not None:
+            m = read_mask(b, h, q_idx, kv_idx)
+            score = torch.where(m, score, -float("inf")) if is_bool else score + m.to(
+                score.dtype)
+        if is_causal:
+            score = torch.where(q_idx >= kv_idx, score, -float("inf"))
+        return score
+
+    # the CPU template needs contiguous inputs
+    return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), score_mod=score_mod,
+                          scale=softmax_scale, enable_gqa=enable_gqa)
+
+
+def explicit_attention(q, k, v, attn_mask: Optional[torch.Tensor], *, softmax_scale: float,
+                       is_causal: bool, enable_gqa: bool, dropout_p: float, fmt: str,
+                       divisor_of: Callable[[torch.Tensor], Optional[torch.Tensor]]
+                       ) -> torch.Tensor:
+    """Materialized attention; ``divisor_of(S)`` sees the logits and returns the divisor (or None).
+
+    Logits are computed in float32 (the statistics and the quantizer see exact values).
+    """
+    n_q = q.shape[-3]
+    if enable_gqa and k.shape[-3] != n_q:
+        k = k.repeat_interleave(n_q // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(n_q // v.shape[-3], dim=-3)
+    logits = (q.float() @ k.float().transpose(-2, -1)) * softmax_scale     # (B, H, L, L')
+    divisor = divisor_of(logits)
+    if divisor is not None:
+        logits = fake_quantize_logits(logits, head_divisor(divisor, n_q), fmt)
+    if attn_mask is not None:
+        logits = (logits.masked_fill(~attn_mask, -float("inf")) if attn_mask.dtype == torch.bool
+                  else logits + attn_mask.float())
+    if is_causal:
+        causal = torch.ones(logits.shape[-2], logits.shape[-1], dtype=torch.bool,
+                            device=logits.device).tril()
+        logits = logits.masked_fill(~causal, -float("inf"))
+    probs = torch.softmax(logits, dim=-1).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return probs @ v

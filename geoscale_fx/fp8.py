@@ -1,0 +1,50 @@
+"""FP8 formats, the quantize–dequantize of scaled logits, and overflow accounting.
+
+``.to(torch.float8_e4m3fn)`` *saturates* on torch 2.13 (1000 → 448, inf → 448): an overflow
+never shows up as a NaN, so it is counted explicitly as ``|S / scale| > R_max``.
+"""
+from __future__ import annotations
+
+import torch
+
+from geoscale_fx.bounds import fp8_max
+
+__all__ = ["FP8_DTYPES", "fp8_dtype", "quantize_dequantize", "fake_quantize_logits",
+           "scaled_abs_max", "overflowed"]
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_dtype(fmt: str) -> torch.dtype:
+    try:
+        return FP8_DTYPES[fmt]
+    except KeyError:
+        raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {fmt!r}") from None
+
+
+def quantize_dequantize(scaled: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """Round already-scaled values to FP8 and back (saturating at ±R_max)."""
+    return scaled.to(fp8_dtype(fmt)).to(scaled.dtype)
+
+
+def fake_quantize_logits(logits: torch.Tensor, divisor: torch.Tensor,
+                         fmt: str = "e4m3") -> torch.Tensor:
+    """``S ↦ Q(S / scale) · scale`` with a straight-through gradient.
+
+    ``divisor`` broadcasts against ``logits`` (one scale per head: shape ``(H, 1, 1)``).
+    The forward value is the FP8 round trip; the backward pass treats the quantizer as the
+    identity (the usual straight-through estimator for fake quantization).
+    """
+    divisor = divisor.to(logits.dtype)
+    rounded = quantize_dequantize(logits / divisor, fmt) * divisor
+    return logits + (rounded - logits).detach()
+
+
+def scaled_abs_max(logits: torch.Tensor, divisor: torch.Tensor, reduce_dims) -> torch.Tensor:
+    """``max |S| / scale`` over ``reduce_dims`` (the scaled logit FP8 must represent)."""
+    return (logits.detach().abs() / divisor.to(logits.dtype)).amax(dim=reduce_dims)
+
+
+def overflowed(scaled_max: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """Boolean: the scaled logit exceeded the format's range (the cast saturated)."""
+    return scaled_max > fp8_max(fmt)

@@ -1,0 +1,101 @@
+"""``geoscale_fx.report(model)``: what the backend did at every attention, as rows and a table.
+
+Per site (or per head with ``per_head=True``): σ, the bound on |S|, α, the scale, the last
+and the largest scaled logit, overflow counts and FP8 utilization. Values are read from the
+sites' state (one host read per call of ``report``, never per step). Scaled-logit figures need
+the logits, so they are present for explicit lowerings and audits (``audit=True``) only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tabulate import tabulate
+from torch import nn
+
+from geoscale_fx import bounds
+from geoscale_fx.backend import _BACKENDS, GeoscaleBackend, SiteRecord
+
+__all__ = ["Report", "report", "site_records"]
+
+_COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "bound", "alpha", "scale",
+            "last_scaled", "max_scaled", "overflow_steps", "utilization", "steps", "certified")
+
+
+@dataclass
+class Report:
+    rows: list[dict]
+    skipped: list[dict]
+
+    def table(self, floatfmt: str = ".4g") -> str:
+        body = tabulate([[r.get(c) for c in _COLUMNS] for r in self.rows], headers=_COLUMNS,
+                        floatfmt=floatfmt)
+        if self.skipped:
+            body += "\n\nleft as is:\n" + tabulate(
+                [[s["site"], s["reason"]] for s in self.skipped], headers=["site", "reason"])
+        return body
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
+    """(rewritten, left as is) records of the sites that belong to ``model``."""
+    backend = getattr(model, "geoscale", None)
+    if isinstance(backend, GeoscaleBackend):
+        return list(backend.records.values()), list(backend.skipped)
+    inner = getattr(model, "_orig_mod", model)
+    owned = {id(p) for p in inner.parameters()} if isinstance(inner, nn.Module) else set()
+    done, skipped = [], []
+    for be in list(_BACKENDS):
+        done += [r for r in be.records.values() if r.owner in owned]
+        skipped += [r for r in be.skipped if r.owner in owned or r.owner == 0]
+    return done, skipped
+
+
+def _certified(record: SiteRecord) -> bool:
+    """The last scale came from a proof: exact σ (every step, or the cold-start step), α ≥ 1."""
+    opt = record.plan.options
+    alpha_ok = isinstance(opt.alpha, (int, float)) and opt.alpha >= 1.0
+    exact = opt.estimator == "exact" or float(record.state.steps) <= 1
+    return record.site.certified and opt.scaling == "geometry" and alpha_ok and exact
+
+
+def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
+    st, plan = record.state, record.plan
+    fmt_max = bounds.fp8_max(plan.options.fp8_format)
+    values = {name: t.detach().double().cpu() for name, t in st.as_dict().items()}
+    observed = plan.lowering != "fused" and plan.options.scaling != "none"
+    n = values["scale"].numel()
+    alpha = values["alpha"]
+    if plan.options.alpha == "auto" and values["calibrated"].item() > 0:
+        alpha = values["alpha_final"]
+    heads = range(n) if per_head else [None]
+    rows = []
+    for h in heads:
+        pick = (lambda t: float(t.reshape(-1)[h])) if h is not None else \
+            (lambda t: float(t.max()))
+        rows.append({
+            "site": record.site.name, "head": h if h is not None else f"{n} scale(s)",
+            "lowering": plan.lowering, "scaling": plan.options.scaling,
+            "sigma": pick(values["sigma"]) if plan.options.scaling == "geometry" else None,
+            "bound": pick(values["bound"]) if plan.options.scaling == "geometry" else None,
+            "alpha": pick(alpha), "scale": pick(values["scale"]),
+            "last_scaled": pick(values["max_scaled"]) if observed else None,
+            "max_scaled": pick(values["max_scaled_ever"]) if observed else None,
+            "overflow_steps": int(values["overflow_steps"]) if observed else None,
+            "utilization": pick(values["max_scaled"]) / fmt_max if observed else None,
+            "steps": int(values["steps"]), "certified": _certified(record),
+        })
+    return rows
+
+
+def report(model: Any, per_head: bool = False) -> Report:
+    """Rows (and ``str(report)`` a table) for every attention of a geoscale-compiled model."""
+    done, skipped = site_records(model)
+    rows = [row for record in done for row in _rows(record, per_head)]
+    left = [{"site": r.site.name, "reason": r.note or r.site.reason} for r in skipped]
+    return Report(rows, left)
