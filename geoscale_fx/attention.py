@@ -37,12 +37,25 @@ def _mask_reader(mask: torch.Tensor):
     return read
 
 
+def _realized(t: torch.Tensor) -> torch.Tensor:
+    """The same values, produced by a concatenation.
+
+    Inductor's CPU flex_attention template only accepts captured tensors that are realized
+    buffers (graph inputs, extern or concat outputs); a pointwise result it would inline fails
+    with "NoValidChoicesError". Concatenating forces a buffer; the extra element is dropped.
+    """
+    flat = t.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(1)])[: flat.numel()].view(t.shape)
+
+
 def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optional[torch.Tensor],
                     *, softmax_scale: float, is_causal: bool, enable_gqa: bool,
                     fmt: str) -> torch.Tensor:
     """flex_attention whose score_mod quantizes ``S / scale[h]`` (``divisor``: (1,) or (H,))."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    divisor = _realized(divisor) if divisor is not None else None
+    attn_mask = _realized(attn_mask) if attn_mask is not None else None
     read_mask = _mask_reader(attn_mask) if attn_mask is not None else None
     is_bool = attn_mask is not None and attn_mask.dtype == torch.bool
     per_head = divisor is not None and divisor.numel() > 1

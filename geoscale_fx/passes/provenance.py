@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.graph_ops import (
     VALUE_CASTS, ValueKinds, arg, op_of, parameter_name, scalar_constant, shape_of,
 )
@@ -312,21 +313,26 @@ def head_rows(track: Track, node: Node, role: str) -> HeadRows:
     if len(track.shape) < 2:
         raise Unsupported(f"the {role} `{node.name}` has shape {track.shape}")
     width = track.shape[-1]
-    if not bool((track.tok == track.tok[..., :1]).all()):
+    tok, feat = bc.compact(track.tok), bc.compact(track.feat)
+    if not bool((tok == tok[..., :1]).all()):
         raise Unsupported(f"the {role} `{node.name}` mixes tokens within a head vector")
-    if not bool((track.feat == track.feat[..., :1, :]).all()):
+    if not bool((feat == feat[..., :1, :]).all()):
         raise Unsupported(f"the {role} `{node.name}` uses different weights at different "
                           "positions")
-    gains = track.gain.reshape(-1)
+    gains = bc.compact(track.gain).reshape(-1)
     if not bool((gains == gains[0]).all()):
         raise Unsupported(f"the {role} `{node.name}` is scaled non-uniformly")
-    rows = track.feat[..., 0, :].reshape(-1, width).tolist()
+    rows_by_lead = feat[..., 0, :].expand(*feat.shape[:-2], width)      # (compact lead, d_h)
+    rows = rows_by_lead.reshape(-1, width).tolist()
     index: dict[tuple, int] = {}
     head_of_row = [index.setdefault(tuple(r), len(index)) for r in rows]
-    rotated = track.rot > 0
-    rotation = float(track.rot.max()) if bool(rotated.any()) else 0.0
-    return HeadRows(tuple(index), torch.tensor(head_of_row).view(track.shape[:-2]),
-                    float(gains[0]), rotation, bool(rotated.any() and not rotated.all()))
+    lead = track.shape[:-2]
+    head_map = torch.tensor(head_of_row).view(rows_by_lead.shape[:-1]).expand(lead)
+    rot = bc.compact(track.rot)
+    rotated = rot > 0
+    rotation = float(rot.max()) if bool(rotated.any()) else 0.0
+    return HeadRows(tuple(index), head_map, float(gains[0]), rotation,
+                    bool(rotated.any() and not rotated.all()))
 
 
 def parameter_names(projection: ProjectionOp) -> tuple[str, str]:

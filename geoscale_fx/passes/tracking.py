@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import Node
 
+from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, arg, example_value, op_of, scalar_constant, shape_of,
     static_int,
@@ -116,13 +117,17 @@ def _apply(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
         shape = shape_of(other)
         fn = (lambda t: t.expand(shape)) if op == "expand_as" else (lambda t: t.reshape(shape))
         return env[tracked].map(fn)
-    if node.op == "call_method":
-        method = "reshape" if node.target == "view" else node.target
-        if method == "reshape" and any(isinstance(a, torch.dtype) for a in args[1:]):
+    if op in ("view", "reshape"):
+        sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        if any(isinstance(a, torch.dtype) for a in sizes):
             raise Unsupported(f"`{node.name}`: view as another dtype reinterprets bits")
+        sizes = kwargs.get("shape", sizes)
 
         def fn(t):
-            return getattr(t, method)(*args[1:], **kwargs)
+            return bc.reshape(t, [int(x) for x in sizes])
+    elif node.op == "call_method":
+        def fn(t):
+            return getattr(t, node.target)(*args[1:], **kwargs)
     else:
         position = node.args.index(tracked)
 
@@ -165,7 +170,7 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: "AngleChecker") -> A
             return value
         raise Unsupported(f"`{node.name}`: dropout (training) applied to queries/keys")
     if op == "neg":
-        return Track(value.feat, value.tok, -value.gain, value.rot)
+        return Track(value.feat, value.tok, bc.elementwise(torch.neg, value.gain), value.rot)
     if op in ("mul", "div"):
         return _replay_scale(node, tracked, env, op)
     if op in DATA_MOVEMENT:
@@ -192,9 +197,8 @@ def _replay_concat(node: Node, env: dict[Node, Any], op: str) -> Track:
                           "projection (e.g. a KV cache); its logits cannot be bounded")
     if op == "cat" and len(parts) == 1:
         return parts[0]
-    fn = torch.cat if op == "cat" else torch.stack
-    return Track(*(fn([getattr(p, f) for p in parts], dim) for f in ("feat", "tok", "gain",
-                                                                     "rot")))
+    return Track(*(bc.concat([getattr(p, f) for p in parts], dim, stack=op == "stack")
+                   for f in ("feat", "tok", "gain", "rot")))
 
 
 def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
@@ -205,7 +209,8 @@ def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> A
     if value is not None:
         factor = 1.0 / value if op == "div" else value
         track = env[tracked]
-        return Track(track.feat, track.tok, track.gain * factor, track.rot)
+        return Track(track.feat, track.tok,
+                     bc.elementwise(lambda g: g * factor, track.gain), track.rot)
     if op == "mul" and isinstance(other, Node):
         trig = _trig_origin(other)
         if trig is not None:
@@ -262,18 +267,20 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
     if a.shape != r.shape:
         raise Unsupported(f"`{node.name}`: rotary halves have shapes {a.shape} and {r.shape}")
     width = a.shape[-1]
-    a_feat, r_feat = a.feat.reshape(-1, width), r.feat.reshape(-1, width)
-    position = {int(f): j for j, f in enumerate(a_feat[0].tolist())}
-    pairing = [position.get(int(f), -1) for f in r_feat[0].tolist()]
+    first_row = bc.compact(a.feat).reshape(-1, width)[0]
+    position = {int(f): j for j, f in enumerate(first_row.tolist())}
+    pairing = [position.get(int(f), -1) for f in bc.compact(r.feat).reshape(-1, width)[0]
+               .tolist()]
     index = torch.tensor(pairing)
     ok = (sorted(pairing) == list(range(width))
           and all(pairing[p] == j and p != j for j, p in enumerate(pairing))
-          and bool((r_feat == a_feat[:, index]).all())
-          and bool((r.tok == a.tok).all()))
+          and bc.all_equal(r.feat, bc.take_last(a.feat, index).expand(a.shape))
+          and bc.all_equal(r.tok, a.tok))
     if not ok:
         raise Unsupported(f"`{node.name}`: the sin term is not a pairwise swap of the cos "
                           "term's elements, so this is not a rotation")
-    sign = (r.gain.reshape(-1, width) / a.gain.reshape(-1, width)[:, index])
+    sign = bc.compact(r.gain) / bc.take_last(a.gain, index)
+    sign = sign.reshape(-1, sign.shape[-1]).expand(-1, width)
     if not bool((sign.abs() == 1).all()) or not bool((sign == sign[:1]).all()) or \
             not bool((sign[0] == -sign[0, index]).all()):
         raise Unsupported(f"`{node.name}`: the rotary swap has the wrong signs for a rotation")
@@ -288,7 +295,7 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
     checker.record(Rotary(style=style, factor=factor, pairing_verified=verified,
                           pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name,
                           signs=tuple(float(v) for v in sign[0].tolist())))
-    rot = torch.full(a.shape, factor, dtype=torch.float32)
+    rot = torch.full((), factor, dtype=torch.float32).expand(a.shape)
     return Track(a.feat, a.tok, a.gain, rot)
 
 

@@ -49,6 +49,25 @@ def test_hf_models_are_found_and_match_real_queries_and_keys(key):
             checks.check_projection_matches(graph.gm, values, s, B)
 
 
+@pytest.mark.parametrize("name, kind", [("nanogpt", "sdpa"), ("nanogpt-explicit", "explicit")])
+def test_our_nanogpt_fused_c_attn_both_paths(name, kind):
+    models_zoo = pytest.importorskip("models_zoo")
+    zoo = models_zoo.get(name)
+    found = _analyse(zoo.model, **zoo.example_inputs(batch=B, seq_len=L))
+    sites = [s for _, ss, _ in found for s in ss]
+    assert [s.name for s in sites] == [f"transformer.h.{i}.attn" for i in range(zoo.n_layers)]
+    d = zoo.model_dim
+    for s in sites:
+        assert s.supported and s.kind == kind and s.norm == "layernorm"
+        assert (s.n_q_heads, s.head_dim, s.model_dim) == (zoo.n_q_heads, zoo.head_dim, d)
+        assert s.q.weight == s.k.weight and s.q.layout == "linear"   # one fused c_attn
+        assert s.k.features[0][0] == d                                # keys follow queries
+        assert s.softmax_scale == pytest.approx(zoo.head_dim ** -0.5)
+    for graph, ss, values in found:
+        for s in ss:
+            checks.check_projection_matches(graph.gm, values, s, B)
+
+
 def test_real_minilm_post_ln_with_biases(minilm):
     ids = torch.randint(0, 30000, (B, L))
     found = _analyse(minilm, input_ids=ids, attention_mask=torch.ones(B, L, dtype=torch.long))
