@@ -6,6 +6,7 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.backend(**options)                # a configured backend
     geoscale_fx.wrap(model, **options)            # compiled module; state in state_dict
     geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
+    geoscale_fx.calibrate(model, batches)         # auto-α on a data loader, then frozen
     geoscale_fx.GeoscaleOptions                   # the options (validated)
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
@@ -29,6 +30,7 @@ _LAZY = {
     "wrap": ("geoscale_fx.wrap", "wrap"),
     "GeoscaleModule": ("geoscale_fx.wrap", "GeoscaleModule"),
     "report": ("geoscale_fx.report", "report"),
+    "calibrate": ("geoscale_fx.calibrate", "calibrate"),
     "AttentionSite": ("geoscale_fx.passes.site", "AttentionSite"),
 }
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -26,7 +26,7 @@ from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, example_value, op_of, parameter_name
 from geoscale_fx.passes.rewrite import rewrite, sdpa_call_options
 from geoscale_fx.passes.site import AttentionSite
-from geoscale_fx.scaling import SitePlan, cold_start, state_specs
+from geoscale_fx.scaling import SitePlan, cold_start, finalize_calibration, state_specs
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
 
 __all__ = ["GeoscaleBackend", "SiteRecord", "backend", "geoscale_backend"]
@@ -90,19 +90,29 @@ class GeoscaleBackend:
             states.append(state)
         if not plans:
             return self._compile(gm, list(example_inputs), fused=False)
-        new_gm = rewrite(gm, plans, [s.names for s in states])
         tensors = [t for s in states for t in s.tensors()]
-        compiled = self._compile(new_gm, list(example_inputs) + tensors,
-                                 fused=any(p.lowering == "fused" for p in plans))
+        variants = {"predict": _Lazy(lambda: self._build(gm, example_inputs, plans, states,
+                                                         tensors))}
+        if self.options.alpha == "auto":
+            burn_in = [replace(p, calibrating=True, lowering="inplace" if p.lowering == "inplace"
+                               else "explicit") for p in plans]
+            variants["burn_in"] = _Lazy(lambda: self._build(gm, example_inputs, burn_in, states,
+                                                            tensors))
         lowerings = [p.lowering for p in plans]
         log.info("geoscale: %d attention sites, %d rewritten (fused %d, explicit %d, in-place "
                  "%d), %d left as is", len(sites), len(plans), lowerings.count("fused"),
                  lowerings.count("explicit"), lowerings.count("inplace"),
                  len(sites) - len(plans))
-        return self._runner(gm, example_inputs, plans, states, tensors, compiled)
+        (variants["burn_in"] if self._calibrating(plans, states) else variants["predict"]).get()
+        return self._runner(gm, example_inputs, plans, states, tensors, variants)
+
+    def _build(self, gm, example_inputs, plans, states, tensors):
+        new_gm = rewrite(gm, plans, [s.names for s in states])
+        return self._compile(new_gm, list(example_inputs) + tensors,
+                             fused=any(p.lowering == "fused" for p in plans))
 
     # ----------------------------------------------------------------------------------
-    def _runner(self, gm, example_inputs, plans, states, tensors, compiled):
+    def _runner(self, gm, example_inputs, plans, states, tensors, variants):
         kinds = ValueKinds(gm.graph, example_inputs)
         by_name = {n.name: n for n in gm.graph.nodes}
 
@@ -110,14 +120,47 @@ class GeoscaleBackend:
             cold = [(p, s) for p, s in zip(plans, states) if s.cold]
             if cold:
                 self._cold_start(gm, kinds, by_name, args, cold)
+            calibrating = self._calibrating(plans, states)
+            compiled = variants["burn_in" if calibrating else "predict"].get()
             try:
-                return compiled(*args, *tensors)
+                out = compiled(*args, *tensors)
             except RuntimeError as exc:
                 if "geoscale: non-finite" not in str(exc):
                     raise
                 self._diagnose(gm, kinds, by_name, args, plans)
                 raise
+            if calibrating:
+                self._count_burn_in(plans, states)
+            return out
         return run
+
+    # ----------------------------------------------------------------------------------
+    def _calibrating(self, plans, states) -> bool:
+        """Auto-α: whether any site of this graph is still in its burn-in (host mirror)."""
+        if self.options.alpha != "auto":
+            return False
+        for state in states:
+            if state.calib_seen is None:  # one read after creation or a checkpoint load
+                state.calib_seen = (self.options.calib_steps if bool(state.calibrated)
+                                    else int(state.calib_count))
+        return any(s.calib_seen < self.options.calib_steps for s in states)
+
+    def _count_burn_in(self, plans, states) -> None:
+        for plan, state in zip(plans, states):
+            if state.calib_seen < self.options.calib_steps:
+                state.calib_seen += 1
+                if state.calib_seen == self.options.calib_steps:
+                    alpha = finalize_calibration(plan, state.as_dict())
+                    log.info("geoscale: %s calibrated: alpha_final %s", plan.site.name,
+                             [round(a, 6) for a in alpha.tolist()])
+
+    def finalize_calibration(self) -> None:
+        """Freeze α now from the ratios recorded so far (e.g. after a short data loader)."""
+        for record in self.records.values():
+            state = record.state
+            if state is not None and "calibrated" in state.names and not bool(state.calibrated):
+                finalize_calibration(record.plan, state.as_dict())
+                state.calib_seen = self.options.calib_steps
 
     def _weights(self, gm, kinds, by_name, args, plan) -> dict:
         evaluator = ParamEvaluator(gm, args, kinds)
@@ -209,6 +252,18 @@ class GeoscaleBackend:
 
 
 # --------------------------------------------------------------------------------------
+
+class _Lazy:
+    """A value built on first use (a compiled variant of a graph)."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self._build, self._value = build, None
+
+    def get(self):
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
 
 def _node(gm: GraphModule, name: str) -> Node:
     return next(n for n in gm.graph.nodes if n.name == name)

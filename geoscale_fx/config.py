@@ -114,8 +114,10 @@ class GeoscaleOptions:
 
     @property
     def materializes_scores(self) -> bool:
-        """Whether the scores S must exist in memory (observed-max scaling or an audit)."""
-        return self.audit or self.scaling in ("delayed", "current") or self.alpha == "auto"
+        """Whether S must exist in memory at every step (observed-max scaling or an audit).
+
+        Auto-α materializes S only during its burn-in (see ``GeoscaleBackend``)."""
+        return self.audit or self.scaling in ("delayed", "current")
 
     def replace(self, **changes) -> "GeoscaleOptions":
         return replace(self, **changes)

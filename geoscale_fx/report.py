@@ -1,7 +1,8 @@
 """``geoscale_fx.report(model)``: what the backend did at every attention, as rows and a table.
 
-Per site (or per head with ``per_head=True``): σ, the bound on |S|, α, the scale, the last
-and the largest scaled logit, overflow counts and FP8 utilization. Values are read from the
+Per site (or per head with ``per_head=True``): σ, the bound on |S|, α (auto-α: the frozen
+α_final, the empirical quantile α_emp and how many slack ratios it came from), the scale, the
+last and the largest scaled logit, overflow counts and FP8 utilization. Values are read from the
 sites' state (one host read per call of ``report``, never per step). Scaled-logit figures need
 the logits, so they are present for explicit lowerings and audits (``audit=True``) only.
 """
@@ -18,8 +19,9 @@ from geoscale_fx.backend import _BACKENDS, GeoscaleBackend, SiteRecord
 
 __all__ = ["Report", "report", "site_records"]
 
-_COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "bound", "alpha", "scale",
-            "last_scaled", "max_scaled", "overflow_steps", "utilization", "steps", "certified")
+_COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "bound", "alpha", "alpha_emp",
+            "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
+            "steps", "certified")
 
 
 @dataclass
@@ -71,7 +73,9 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
     observed = plan.lowering != "fused" and plan.options.scaling != "none"
     n = values["scale"].numel()
     alpha = values["alpha"]
-    if plan.options.alpha == "auto" and values["calibrated"].item() > 0:
+    auto = plan.options.alpha == "auto"
+    calibrated = auto and values["calibrated"].item() > 0
+    if calibrated:
         alpha = values["alpha_final"]
     heads = range(n) if per_head else [None]
     rows = []
@@ -83,7 +87,10 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
             "lowering": plan.lowering, "scaling": plan.options.scaling,
             "sigma": pick(values["sigma"]) if plan.options.scaling == "geometry" else None,
             "bound": pick(values["bound"]) if plan.options.scaling == "geometry" else None,
-            "alpha": pick(alpha), "scale": pick(values["scale"]),
+            "alpha": pick(alpha),
+            "alpha_emp": pick(values["alpha_emp"]) if calibrated else None,
+            "ratios": int(values["calib_count"]) if auto else None,
+            "scale": pick(values["scale"]),
             "last_scaled": pick(values["max_scaled"]) if observed else None,
             "max_scaled": pick(values["max_scaled_ever"]) if observed else None,
             "overflow_steps": int(values["overflow_steps"]) if observed else None,

@@ -23,7 +23,8 @@ from geoscale_fx.fp8 import overflowed
 from geoscale_fx.passes.site import AttentionSite
 from geoscale_fx.state import StateSpec
 
-__all__ = ["SitePlan", "state_specs", "predict_divisor", "observe", "cold_start"]
+__all__ = ["SitePlan", "state_specs", "predict_divisor", "observe", "cold_start",
+           "finalize_calibration"]
 
 PAPER_DELAYED_ETA = 0.9
 TE_MARGIN = 0
@@ -39,6 +40,7 @@ class SitePlan:
     weight_names: tuple[str, ...]   # graph nodes whose values the program receives
     alpha: float                    # initial α (constant policies; α0 for auto)
     n_heads_total: int              # N of alpha="theory"
+    calibrating: bool = False       # auto-α burn-in: observe S and record slack ratios
 
     @property
     def n_scale(self) -> int:
@@ -86,7 +88,8 @@ def state_specs(plan: SitePlan) -> list[StateSpec]:
                   StateSpec("te_scale", (), 1.0)]
     if opt.alpha == "auto":
         specs += [StateSpec("ratios", (opt.calib_steps, n)), StateSpec("calib_count", ()),
-                  StateSpec("calibrated", ()), StateSpec("alpha_final", (n,))]
+                  StateSpec("calibrated", ()), StateSpec("alpha_emp", (n,)),
+                  StateSpec("alpha_final", (n,))]
     return specs
 
 
@@ -197,7 +200,7 @@ def observe(plan: SitePlan, amax: torch.Tensor, divisor: torch.Tensor, state: di
             fresh = (fmt_max / peak) / (2.0 ** TE_MARGIN)
             ok = torch.isfinite(peak) & (peak > 0)
             state["te_scale"].copy_(torch.where(ok, fresh, state["te_scale"]))
-    if opt.alpha == "auto":
+    if plan.calibrating:
         _record_slack(plan, amax, state)
 
 
@@ -276,3 +279,30 @@ def cold_start(plan: SitePlan, weights: dict, state: dict,
                          exact, minimum)
         state["floor"].copy_(exact)
         return used
+
+
+# --------------------------------------------------------------------------------------
+# Auto-α: freeze α_final = quantile_q({r_t}) · κ (host side, once)
+# --------------------------------------------------------------------------------------
+
+def finalize_calibration(plan: SitePlan, state: dict) -> torch.Tensor:
+    """Freeze ``α_final = quantile_q(r) · κ`` per scale from the recorded slack ratios.
+
+    Raises ValueError when nothing was recorded or a ratio is not finite (a NaN α would
+    silently disable the scale). Returns α_final.
+    """
+    count = int(state["calib_count"].item())
+    ratios = state["ratios"][:count].double()
+    if count == 0:
+        raise ValueError(f"geoscale: auto-alpha calibration of attention site "
+                         f"'{plan.site.name}' recorded no slack ratio")
+    if not bool(torch.isfinite(ratios).all()):
+        raise ValueError(f"geoscale: auto-alpha calibration of attention site "
+                         f"'{plan.site.name}' saw a non-finite logit; α would be NaN")
+    alpha_emp = torch.quantile(ratios, plan.options.quantile, dim=0)
+    alpha_final = alpha_emp * plan.options.kappa
+    with torch.no_grad():
+        state["alpha_emp"].copy_(alpha_emp)
+        state["alpha_final"].copy_(alpha_final)
+        state["calibrated"].fill_(1.0)
+    return alpha_final

@@ -52,6 +52,7 @@ class SiteState(nn.Module):
         self.names: tuple[str, ...] = tuple(s.name for s in specs)
         self.warm_names = frozenset(s.name for s in specs if s.warm)
         self.cold = True          # host-side: the next call initialises from the weights
+        self.calib_seen: int | None = None   # host-side mirror of calib_count (auto-α)
         for spec in specs:
             value = spec.fill() if callable(spec.fill) else torch.full(spec.shape, spec.fill)
             self.register_buffer(spec.name, value.to(device=device, dtype=spec.dtype))
@@ -76,6 +77,7 @@ class SiteState(nn.Module):
                 target.copy_(value)
         if self.warm_names and self.warm_names <= set(saved):
             self.cold = False
+        self.calib_seen = None
 
 
 class _Sites(nn.ModuleDict):
@@ -132,3 +134,4 @@ class GeoscaleState(nn.Module):
             names = {k[len(prefix) + len("sites.") + len(key) + 1:] for k in state_dict
                      if k.startswith(f"{prefix}sites.{key}.")}
             site.cold = not (site.warm_names and site.warm_names <= names)
+            site.calib_seen = None
