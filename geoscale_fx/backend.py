@@ -180,8 +180,10 @@ class GeoscaleBackend:
             _check_finite(plan, self._weights(gm, kinds, by_name, args, plan), by_name)
 
     # ----------------------------------------------------------------------------------
-    def _key(self, site: AttentionSite, owners: dict) -> str:
-        identity = (site.name, site.node, id(owners.get(site.q.weight)))
+    def _key(self, site: AttentionSite, sites, owners: dict) -> str:
+        """Stable across recompiles: module path, its n-th call in the graph, the weights."""
+        occurrence = sum(1 for s in sites if s.name == site.name and s.index < site.index)
+        identity = (site.name, occurrence, id(owners.get(site.q.weight)))
         if identity not in self._keys:
             taken = set(self._keys.values())
             name = site.name if self.owned else f"{site.name}@{len(self._keys)}"
@@ -207,7 +209,7 @@ class GeoscaleBackend:
         n_total = sum(s.n_q_heads for s in sites if s.supported)
         n_total = max(n_total, sum(r.site.n_q_heads for r in self.records.values()))
         weight_names = _weight_names(site)
-        plan = SitePlan(site=site, options=opt, key=self._key(site, owners), lowering=lowering,
+        plan = SitePlan(site=site, options=opt, key=self._key(site, sites, owners), lowering=lowering,
                         weight_names=weight_names, alpha=_initial_alpha(opt, site, n_total),
                         n_heads_total=n_total)
         return plan, ""
@@ -226,6 +228,9 @@ class GeoscaleBackend:
             reasons.append("audit / delayed / current / auto-alpha observe max|S|")
         if training and q.device.type == "cpu":
             reasons.append("flex_attention has no backward on CPU")
+        if q.device.type == "cpu" and opt.compiler == "inductor" and _symbolic(gm):
+            reasons.append("Inductor's CPU flex_attention template fails on graphs with "
+                           "symbolic shapes (a dynamic recompile)")
         if sdpa_call_options(node)["dropout_p"] > 0:
             reasons.append("attention dropout")
         if reasons:
@@ -267,6 +272,18 @@ class _Lazy:
 
 def _node(gm: GraphModule, name: str) -> Node:
     return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _symbolic(gm: GraphModule) -> bool:
+    """Whether Dynamo gave this graph symbolic (dynamic) shapes."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = example_value(node)
+        if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+                isinstance(s, torch.SymInt) for s in value.shape)):
+            return True
+    return False
 
 
 def _device_of(gm: GraphModule, site: AttentionSite) -> torch.device:
