@@ -35,7 +35,9 @@ class GeoscaleModule(nn.Module):
             model.add_module(STATE_ATTR, state)
         self.model = model
         self.geoscale = GeoscaleBackend(options, state=state, owned=True)
-        self._compiled = torch.compile(model, backend=self.geoscale)
+        # its own Dynamo cache: many wrapped instances of one class never hit the
+        # recompile limit (which would silently fall back to eager, without FP8)
+        self._compiled = torch.compile(model, backend=self.geoscale, isolate_recompiles=True)
         if not getattr(model, "_geoscale_hooked", False):
             model.register_load_state_dict_post_hook(_mark_cold_without_state)
             model._geoscale_hooked = True

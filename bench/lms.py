@@ -1,0 +1,94 @@
+"""Models the scenarios run on, with real text to feed them.
+
+A ``BenchLM`` builds fresh copies of a model with its pretrained weights ("loading a
+checkpoint"), and gives batches of real text: the CPython standard library sources (byte
+level) for the causal LMs trained by ``models_zoo.pretrain``, English sentences for MiniLM.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["BenchLM", "pretrained_lm", "minilm_lm", "QUICK_PRETRAIN_STEPS"]
+
+#: the quick profile trains its byte-level LMs for fewer steps (a separate cache entry)
+QUICK_PRETRAIN_STEPS = 250
+
+
+@dataclass
+class BenchLM:
+    name: str
+    build: Callable[[], nn.Module]           # a fresh model with the pretrained weights
+    batch: Callable[[torch.Generator, int, int, str], dict]   # (gen, batch, seq, split)
+    causal: bool = True
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        out = model(**batch)
+        return out.loss if hasattr(out, "loss") else out[1]
+
+
+@functools.lru_cache(maxsize=2)
+def _corpus(budget: int = 4_000_000):
+    from models_zoo import corpus
+
+    return corpus.load_stdlib_corpus(budget)
+
+
+def _byte_batch(data: torch.Tensor, gen: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    start = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
+    return torch.stack([data[s:s + seq] for s in start.tolist()]).long()      # (B, T)
+
+
+def pretrained_lm(family: str, profile: str = "quick") -> BenchLM:
+    """A byte-level GPT-2- or Llama-style LM trained on the stdlib sources (cached)."""
+    from models_zoo import pretrain
+
+    recipe = pretrain.DEFAULT_RECIPES[family]
+    if profile == "quick":
+        recipe = dataclasses.replace(recipe, steps=QUICK_PRETRAIN_STEPS,
+                                     warmup_steps=min(recipe.warmup_steps, 25))
+    model, metrics = pretrain.load_pretrained(family, recipe)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config, cls = model.config, type(model)
+
+    def build() -> nn.Module:
+        fresh = cls(config)
+        fresh.load_state_dict(state)
+        return fresh.eval()
+
+    def batch(gen, size, seq, split="train"):
+        data = _corpus().train if split == "train" else _corpus().val
+        ids = _byte_batch(data, gen, size, seq)
+        return {"input_ids": ids, "labels": ids}
+
+    return BenchLM(f"pretrained-{family}", build, batch,
+                   info={"val_loss": metrics.get("val_loss"), "steps": metrics.get("steps")})
+
+
+def minilm_lm() -> BenchLM:
+    """The real pretrained all-MiniLM-L6-v2, fed sentences from the stdlib docstrings."""
+    import models_zoo
+
+    zoo = models_zoo.get("minilm")
+    state = {k: v.clone() for k, v in zoo.model.state_dict().items()}
+    config, cls, tokenizer = zoo.model.config, type(zoo.model), zoo.tokenizer
+    text = bytes(_corpus().val[:200_000].tolist()).decode("utf-8", "ignore")
+    lines = [ln.strip() for ln in text.splitlines() if len(ln.strip().split()) >= 6]
+
+    def build() -> nn.Module:
+        fresh = cls(config)
+        fresh.load_state_dict(state)
+        return fresh.eval()
+
+    def batch(gen, size, seq, split="val"):
+        picks = torch.randint(0, len(lines), (size,), generator=gen).tolist()
+        return dict(tokenizer([lines[i] for i in picks], padding=True, truncation=True,
+                              max_length=seq, return_tensors="pt"))
+
+    return BenchLM("minilm", build, batch, causal=False)

@@ -1,0 +1,80 @@
+"""PNG plots of the benchmark (matplotlib, Agg): spike response, spectral norms, sweeps."""
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["spike_plot", "norms_plot", "sweep_plot"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def spike_plot(series: dict, at: int, path: Path) -> str:
+    """(a) max scaled logit and (b) scale per step, one line per method; the FP8 range."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for method, s in series.items():
+        ax1.plot(s["max_scaled"], marker="o", ms=3, label=method)
+        ax2.plot(s["scale"], marker="o", ms=3, label=method)
+    ax1.axhline(448, color="red", ls="--", lw=1, label="E4M3 max (448)")
+    for ax in (ax1, ax2):
+        ax.axvline(at, color="gray", ls=":", lw=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+    ax1.set_ylabel("max |S| / scale")
+    ax2.set_ylabel("scale (divisor)")
+    ax1.set_title("(a) maximum scaled logit")
+    ax2.set_title("(b) scale factor")
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"4x attention-weight spike at step {at}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name
+
+
+def norms_plot(per_model: dict, path: Path) -> str:
+    """Per-layer ‖W^Q W^Kᵀ‖₂ (paper) and max per-head norm, one panel per model."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(per_model), figsize=(4.5 * len(per_model), 3.6),
+                             squeeze=False)
+    for ax, (name, rows) in zip(axes[0], per_model.items()):
+        layers = [r["layer"] for r in rows]
+        ax.plot(layers, [r["per-layer sigma"] for r in rows], marker="o", label="per layer")
+        ax.plot(layers, [r["max head sigma"] for r in rows], marker="s", label="max per head")
+        ax.set_title(name)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("spectral norm")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name
+
+
+def sweep_plot(rows: list[dict], path: Path) -> str:
+    """Forward time and peak extra memory against sequence length, per method."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [r for r in rows if r["method"] == method]
+        ax1.plot([r["seq len"] for r in pts], [r["forward ms"] for r in pts], marker="o",
+                 label=method)
+        ax2.plot([r["seq len"] for r in pts], [r["peak MB"] for r in pts], marker="o",
+                 label=method)
+    for ax, label in ((ax1, "forward ms"), (ax2, "peak extra memory (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name

@@ -1,0 +1,22 @@
+"""The ten scenarios of ``python -m bench``, in order."""
+from bench.runner import Scenario
+from bench.scenarios.calibration import quality, utilization
+from bench.scenarios.performance import overhead, seq_len_sweep
+from bench.scenarios.tables import alpha_table, spectral_norms
+from bench.scenarios.transients import first_forward, lr_spike, resume, weight_spike
+
+SCENARIOS = [
+    Scenario("pretrained", "1. First forward after loading a pretrained checkpoint",
+             first_forward),
+    Scenario("resume", "2. Resume with a fresh scaling state", resume),
+    Scenario("lr-spike", "3. 100x learning-rate spike", lr_spike),
+    Scenario("weight-spike", "4. 4x attention-weight spike", weight_spike),
+    Scenario("overhead", "5. Overhead against plain Inductor", overhead),
+    Scenario("seq-len", "6. Sequence-length sweep: fused vs materialized", seq_len_sweep),
+    Scenario("utilization", "7. FP8 utilization: delayed, theory-alpha, auto-alpha", utilization),
+    Scenario("alpha-table", "8. alpha_min / gamma table", alpha_table),
+    Scenario("spectral-norms", "9. Spectral norms of the pretrained models", spectral_norms),
+    Scenario("quality", "10. Fine-tuning quality", quality),
+]
+
+__all__ = ["SCENARIOS"]

@@ -1,0 +1,152 @@
+"""The benchmark's scenario functions on a tiny model (seconds each)."""
+import json
+
+import pytest
+import torch
+
+models_zoo = pytest.importorskip("models_zoo")
+
+from bench.lms import BenchLM  # noqa: E402
+from bench.methods import TRANSIENT_METHODS  # noqa: E402
+from bench.runner import Context, Scenario, ScenarioResult, run_scenarios  # noqa: E402
+from bench.scenarios import SCENARIOS, calibration, performance, tables, transients  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A 2-layer nanoGPT trained for a few steps on bytes: the 'pretrained checkpoint'."""
+    from models_zoo.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=2, n_embd=64)
+    model = GPT(config)
+    data = torch.randint(0, 32, (4096,))
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(g, size, seq, split="train"):
+        start = torch.randint(0, data.numel() - seq - 1, (size,), generator=g)
+        x = torch.stack([data[s:s + seq] for s in start.tolist()])
+        y = torch.stack([data[s + 1:s + seq + 1] for s in start.tolist()])
+        return {"idx": x, "targets": y}
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(30):
+        opt.zero_grad()
+        model(**batch(gen, 8, 64))[1].backward()
+        opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def build():
+        fresh = GPT(config)
+        fresh.load_state_dict(state)
+        return fresh.eval()
+
+    return BenchLM("tiny", build, batch)
+
+
+@pytest.fixture
+def ctx(tiny_lm, tmp_path):
+    return Context(profile="quick", out_dir=tmp_path, lms={"tiny": lambda: tiny_lm},
+                   models=("tiny",), timing_compiler="aot_eager", step_scale=0.2,
+                   progress=False)
+
+
+def _rows_have(result: ScenarioResult, *fields):
+    assert result.rows and result.error is None
+    for row in result.rows:
+        for f in fields:
+            assert f in row, (f, row)
+
+
+def test_first_forward_geometry_never_overflows_delayed_always_does(ctx):
+    result = transients.first_forward(ctx)
+    _rows_have(result, "model", "method", "overflowing layers", "max scaled logit", "max |S|")
+    by_method = {r["method"]: r for r in result.rows}
+    assert set(by_method) == set(TRANSIENT_METHODS)
+    assert by_method["geometry/head"]["overflowing layers"] == "0/2"
+    assert by_method["geometry/layer"]["overflowing layers"] == "0/2"
+    # history 1.0 → scale 1/(448·0.9): a layer overflows once its max|S| exceeds 1.11
+    assert by_method["delayed/paper"]["overflowing layers"] in ("1/2", "2/2")
+    assert by_method["delayed/paper"]["max scaled logit"] > 448
+
+
+@pytest.mark.parametrize("scenario", [transients.resume, transients.lr_spike])
+def test_training_transients_report_zero_geometry_overflows(ctx, scenario):
+    result = scenario(ctx)
+    _rows_have(result, "model", "method", "overflow steps", "max scaled logit",
+               "non-finite steps")
+    for row in result.rows:
+        if row["method"].startswith("geometry"):
+            assert row["overflow steps"] == 0
+            assert row["non-finite steps"] == 0
+
+
+def test_weight_spike_geometry_rescales_in_the_same_pass(ctx):
+    result = transients.weight_spike(ctx)
+    _rows_have(result, "max scaled before", "max scaled at spike", "overflow at spike",
+               "scale before", "scale at spike")
+    rows = {r["method"]: r for r in result.rows}
+    for method in ("geometry/head", "geometry/layer"):
+        assert not rows[method]["overflow at spike"]
+        # q and k weights ×4 → the bound, hence the scale, grows ~16× in the same step
+        assert rows[method]["scale at spike"] > 10 * rows[method]["scale before"]
+    assert rows["delayed/paper"]["max scaled at spike"] > rows["delayed/paper"][
+        "max scaled before"]
+    assert (ctx.out_dir / "weight_spike.png").stat().st_size > 1000
+    assert len(result.data["spike"]["series"]["current"]["scale"]) == 20
+
+
+def test_overhead_and_sweep_report_ratios_and_memory(ctx):
+    result = performance.overhead(ctx)
+    _rows_have(result, "method", "fwd ms", "fwd ratio", "fwd compile s")
+    assert result.rows[0]["method"] == "plain inductor"
+    assert result.rows[0]["fwd ratio"] == pytest.approx(1.0)
+    assert "step ratio" in result.rows[1]
+    sweep = performance.seq_len_sweep(ctx)
+    _rows_have(sweep, "seq len", "method", "forward ms", "peak MB", "scores MB")
+    assert {r["method"] for r in sweep.rows} == {"geometry fused", "geometry explicit",
+                                                 "current"}
+    assert (ctx.out_dir / "seq_len_sweep.png").exists()
+
+
+def test_utilization_and_quality(ctx):
+    util = calibration.utilization(ctx)
+    _rows_have(util, "method", "median %", "P10 %", "P90 %", "overflow steps")
+    assert [r["method"] for r in util.rows] == ["delayed/paper", "geometry theory-alpha",
+                                                "geometry auto-alpha"]
+    for row in util.rows:
+        assert 0 <= row["P10 %"] <= row["median %"] <= row["P90 %"]
+    quality = calibration.quality(ctx)
+    _rows_have(quality, "method", "val loss before", "val loss after", "overflow steps")
+    assert quality.rows[0]["method"] == "none"
+
+
+def test_tables(ctx):
+    alpha = tables.alpha_table(ctx)
+    _rows_have(alpha, "model", "gamma", "alpha_min")
+    assert alpha.rows[0]["alpha_min"] == pytest.approx(0.0735, abs=1e-4)
+    norms = tables.spectral_norms(ctx)
+    _rows_have(norms, "model", "mean", "max", "min", "max head (any layer)")
+    assert len(norms.data["per_layer"]["tiny"]) == 2
+
+
+def test_runner_reports_a_failing_scenario_and_keeps_going(ctx, capsys):
+    def broken(_ctx):
+        raise RuntimeError("boom")
+
+    def fine(_ctx):
+        return ScenarioResult("fine", "fine", rows=[{"x": 1}])
+
+    results = run_scenarios([Scenario("broken", "broken", broken),
+                             Scenario("fine", "fine", fine)], ctx)
+    assert results[0].error == "RuntimeError: boom" and results[1].error is None
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "boom" in out
+    payload = json.loads((ctx.out_dir / "results.json").read_text())
+    assert [s["key"] for s in payload["scenarios"]] == ["broken", "fine"]
+    assert "**Failed**" in (ctx.out_dir / "report.md").read_text()
+
+
+def test_ten_scenarios_are_registered():
+    assert len(SCENARIOS) == 10
+    assert len({s.key for s in SCENARIOS}) == 10
