@@ -185,6 +185,7 @@ def observe(plan: SitePlan, amax: torch.Tensor, divisor: torch.Tensor, state: di
     fmt_max = bounds.fp8_max(opt.fp8_format)
     amax = amax.float()
     scaled = amax / divisor
+    state["scale"].copy_(divisor.expand_as(state["scale"]))   # current: known only now
     state["amax"].copy_(amax)
     state["max_scaled"].copy_(scaled)
     state["max_scaled_ever"].copy_(torch.maximum(state["max_scaled_ever"], scaled))

@@ -422,3 +422,34 @@ def test_inductor_end_to_end_fused_inference():
     assert wrapped.geoscale.compiles == 2
     assert (out3 - ref2).abs().max() < 0.05 * ref2.abs().max()
     assert all(r.state.steps.item() == 3 for r in records)
+
+
+# --------------------------------------------------------------------------------------
+# Entry points and report
+# --------------------------------------------------------------------------------------
+
+def test_geoscale_is_a_registered_torch_compile_backend():
+    from geoscale_fx.backend import geoscale_backend
+
+    assert "geoscale" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("geoscale") is geoscale_backend
+
+
+def test_report_rows_and_table_for_a_torch_compiled_model():
+    model = build_hf("llama-sdpa")
+    compiled, be = _compile(model, audit=True)
+    with torch.no_grad():
+        compiled(input_ids=torch.randint(0, 128, (B, L)))
+    rep = geoscale_fx.report(compiled)
+    assert [r["site"] for r in rep.rows] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for row, record in zip(rep.rows, be.records.values()):
+        assert row["sigma"] == pytest.approx(float(record.state.sigma.max()))
+        assert row["scale"] == pytest.approx(float(record.state.scale.max()))
+        assert row["overflow_steps"] == 0 and row["steps"] == 1 and row["certified"]
+        assert 0 < row["utilization"] <= 0.8
+    per_head = geoscale_fx.report(compiled, per_head=True)
+    assert len(per_head.rows) == 2 * 4 and per_head.rows[0]["head"] == 0
+    table = str(rep)
+    assert "model.layers.1.self_attn" in table and "utilization" in table
+    # another model's report does not see these sites
+    assert len(geoscale_fx.report(build_hf("gpt2-sdpa")).rows) == 0

@@ -31,7 +31,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def utilization(ctx: Context) -> ScenarioResult:
     """7. Median / P10 / P90 of max|S| / (scale · R_max) over fine-tuning steps and layers."""
-    steps, calib = ctx.steps(40, 200), ctx.steps(10, 100)
+    steps, calib = ctx.steps(30, 200), ctx.steps(10, 100)
     result = ScenarioResult("utilization", f"7. FP8 utilization over {steps - calib} "
                             f"fine-tuning steps after a {calib}-step burn-in (paper Table 9)",
                             paper="GPT-2 XL: delayed 90.5% (P10 84.0, P90 98.0); conservative "
@@ -43,7 +43,8 @@ def utilization(ctx: Context) -> ScenarioResult:
         model = lm.build()
         wrapped = wrap_with(model, "geometry/head", compiler=ctx.compiler, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        obs = train_steps(lm, wrapped, model, opt, ctx.generator(8), steps, bar=bar)[calib:]
+        obs = train_steps(lm, wrapped, model, opt, ctx.generator(8), steps,
+                          batch=ctx.pick(4, 8), bar=bar)[calib:]
         values = [u for o in obs for u in o.utilization]
         alpha = [float(r.state.alpha_final.max()) if "alpha_final" in r.state.names
                  else float(r.state.alpha.max()) for r in wrapped.geoscale.records.values()]
@@ -66,7 +67,7 @@ def _eval_loss(lm, model, batches) -> float:
 
 def quality(ctx: Context) -> ScenarioResult:
     """10. Fine-tune a pretrained LM under each method; validation loss through FP8."""
-    steps, calib = ctx.steps(60, 300), ctx.steps(15, 100)
+    steps, calib = ctx.steps(30, 300), ctx.steps(10, 100)
     result = ScenarioResult("quality", f"10. Fine-tuning quality: validation loss after {steps} "
                             "steps (CPU analogue of the paper's MMLU table)",
                             paper="Llama-2-13B MMLU: delayed 33.0%, conservative 28.1%, "
@@ -75,7 +76,7 @@ def quality(ctx: Context) -> ScenarioResult:
                             "windows are fixed; the eval forward uses the same FP8 path.")
     lm = ctx.causal_lms()[-1] if ctx.full else ctx.causal_lms()[0]
     eval_batches = [lm.batch(ctx.generator(100 + i), 8, 128, "val")
-                    for i in range(ctx.steps(6, 24))]
+                    for i in range(ctx.steps(4, 24))]
     variants = {"none": dict(scaling="none"), **_variants(calib)}
     bar = ctx.bar(len(variants) * steps, "quality")
     for name, options in variants.items():
@@ -83,7 +84,8 @@ def quality(ctx: Context) -> ScenarioResult:
         wrapped = wrap_with(model, "geometry/head", compiler=ctx.compiler, **options)
         start = _eval_loss(lm, wrapped, eval_batches)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        obs = train_steps(lm, wrapped, model, opt, ctx.generator(9), steps, bar=bar)
+        obs = train_steps(lm, wrapped, model, opt, ctx.generator(9), steps,
+                          batch=ctx.pick(4, 8), bar=bar)
         end = _eval_loss(lm, wrapped, eval_batches)
         values = [u for o in obs[calib:] for u in o.utilization]
         result.rows.append({"model": lm.name, "method": name, "val loss before": start,

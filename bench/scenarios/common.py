@@ -66,7 +66,7 @@ def train_steps(lm, wrapped, model, opt, gen, steps: int, *, batch: int = 8, seq
         opt.step()
         if not before:
             before = [0.0] * len(records(wrapped))
-        out.append(observe_step(wrapped, before, float(loss), finite))
+        out.append(observe_step(wrapped, before, float(loss.detach()), finite))
         if bar is not None:
             bar.update(1)
     return out

@@ -95,8 +95,26 @@ def _sweep_model(max_len: int):
                          n_embd=128)).eval()
 
 
+def _sweep_point(length: int, options: dict, repeats: int, seed: int) -> dict:
+    """Time and peak memory of one (length, method) point, in a fresh process."""
+    from bench import memory
+
+    memory.supported()
+    model = _sweep_model(length)
+    x = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+    wrapped = geoscale_fx.wrap(model, **options)
+    with torch.no_grad():
+        wrapped(x)
+        ms = _median_ms(lambda: wrapped(x), repeats, rounds=1)
+        peak = statistics.median(memory.peak_extra_bytes(lambda: wrapped(x))
+                                 for _ in range(3)) if memory.supported() else float("nan")
+    return {"forward ms": ms, "peak MB": peak / 2 ** 20}
+
+
 def seq_len_sweep(ctx: Context) -> ScenarioResult:
     """6. Time and peak memory of the fused geometry path against materialized paths."""
+    import multiprocessing
+
     lengths = ctx.pick([512, 2048], [256, 512, 1024, 2048, 4096])
     variants = {"geometry fused": dict(METHODS["geometry/head"], lowering="fused"),
                 "geometry explicit": dict(METHODS["geometry/head"], lowering="explicit"),
@@ -105,27 +123,22 @@ def seq_len_sweep(ctx: Context) -> ScenarioResult:
         variants["delayed/paper"] = dict(METHODS["delayed/paper"])
     result = ScenarioResult("seq-len", "6. Sequence-length sweep: forward time and peak memory, "
                             "fused vs materialized (nanoGPT 2x128, batch 1, Inductor)",
-                            notes="Peak memory: extra resident memory of one forward (Linux "
-                            "VmHWM after a reset, mmap'd allocations). The explicit paths keep "
-                            "L x L scores (several times: logits, FP8 copy, probabilities).")
+                            notes="Each point runs in a fresh process. Peak memory: extra "
+                            "resident memory of one forward (Linux VmHWM after a reset, "
+                            "mmap'd allocations). The explicit paths keep L x L scores "
+                            "(several times: logits, FP8 copy, probabilities).")
     if not supported():
         result.notes += " Peak memory is not measurable on this platform."
     bar = ctx.bar(len(lengths) * len(variants), "seq-len sweep")
-    model = _sweep_model(max(lengths))
+    spawn = multiprocessing.get_context("spawn")
     for length in lengths:
-        x = torch.randint(0, 256, (1, length), generator=ctx.generator(7))
         for name, options in variants.items():
-            torch._dynamo.reset()
-            wrapped = geoscale_fx.wrap(model, **{**options, "compiler": ctx.timing_compiler})
-            with torch.no_grad():
-                wrapped(x)
-                ms = _median_ms(lambda: wrapped(x), ctx.steps(3, 5), rounds=1)
-                peak = statistics.median(peak_extra_bytes(lambda: wrapped(x)) for _ in range(3)) \
-                    if supported() else float("nan")
-            result.rows.append({"seq len": length, "method": name, "forward ms": ms,
-                                "peak MB": peak / 2 ** 20,
+            with spawn.Pool(1) as pool:
+                point = pool.apply(_sweep_point, (length, {**options, "compiler":
+                                                           ctx.timing_compiler},
+                                                  ctx.steps(3, 5), ctx.seed + 7))
+            result.rows.append({"seq len": length, "method": name, **point,
                                 "scores MB": 4 * length * length * 4 / 2 ** 20})
-            del model.geoscale_state
             bar.update(1)
     bar.close()
     from bench.plots import sweep_plot

@@ -46,7 +46,7 @@ def _count(observations) -> dict:
 
 def resume(ctx: Context) -> ScenarioResult:
     """2. Resume after N training steps from a weights-only checkpoint (no scaling state)."""
-    steps = ctx.steps(60, 300)
+    steps = ctx.steps(40, 300)
     result = ScenarioResult("resume", f"2. Resume after {steps} steps with a fresh scaling "
                             "state: overflow steps in the first 10 (paper §5.2)",
                             paper="delayed overflows in 4 (GPT-2 XL), 2 (Llama-2-70B), 1 "
@@ -62,7 +62,7 @@ def resume(ctx: Context) -> ScenarioResult:
         model.train()
         for _ in range(steps):
             opt.zero_grad()
-            lm.loss(model, lm.batch(gen, 8, 128, "train")).backward()
+            lm.loss(model, lm.batch(gen, ctx.pick(4, 8), 128, "train")).backward()
             opt.step()
             bar.update(1)
         weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -71,7 +71,8 @@ def resume(ctx: Context) -> ScenarioResult:
             fresh.load_state_dict(weights)
             wrapped = wrap_with(fresh, method, compiler=ctx.compiler)
             opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
-            obs = train_steps(lm, wrapped, fresh, opt, ctx.generator(3), 10, bar=bar)
+            obs = train_steps(lm, wrapped, fresh, opt, ctx.generator(3), 10,
+                              batch=ctx.pick(4, 8), bar=bar)
             result.rows.append({"model": lm.name, "method": method, **_count(obs)})
     bar.close()
     return result
@@ -79,7 +80,7 @@ def resume(ctx: Context) -> ScenarioResult:
 
 def lr_spike(ctx: Context) -> ScenarioResult:
     """3. A 100× learning-rate spike after a stretch at a low learning rate."""
-    before = ctx.steps(30, 100)
+    before = ctx.steps(20, 100)
     result = ScenarioResult("lr-spike", f"3. 100x learning-rate spike (1e-5 for {before} "
                             "steps, then 1e-3): overflow steps in the next 10",
                             paper="delayed overflows on 3-5 of 10 steps (NaN gradients on "
@@ -92,7 +93,8 @@ def lr_spike(ctx: Context) -> ScenarioResult:
             wrapped = wrap_with(model, method, compiler=ctx.compiler)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
             obs = train_steps(lm, wrapped, model, opt, ctx.generator(4), before + 10,
-                              lr_at=lambda s: 1e-5 if s < before else 1e-3, bar=bar)
+                              lr_at=lambda s: 1e-5 if s < before else 1e-3,
+                              batch=ctx.pick(4, 8), bar=bar)
             after = obs[before:]
             result.rows.append({"model": lm.name, "method": method, **_count(after),
                                 "loss before": obs[before - 1].loss,
@@ -120,12 +122,14 @@ def weight_spike(ctx: Context) -> ScenarioResult:
             if step == at:
                 scale_attention_weights(wrapped, model, 4.0)
 
-        obs = train_steps(lm, wrapped, model, opt, ctx.generator(5), steps, hook=spike, bar=bar)
+        obs = train_steps(lm, wrapped, model, opt, ctx.generator(5), steps, hook=spike,
+                          batch=ctx.pick(4, 8), bar=bar)
         series[method] = {"max_scaled": [o.max_scaled for o in obs],
                           "scale": [o.scale for o in obs]}
         result.rows.append({
             "model": lm.name, "method": method,
-            "max scaled before": max(o.max_scaled for o in obs[:at]),
+            # steps 5-9: after delayed scaling's own warm-up transient at step 0
+            "max scaled before": max(o.max_scaled for o in obs[at - 5:at]),
             "max scaled at spike": obs[at].max_scaled,
             "overflow at spike": obs[at].overflow_sites > 0,
             "overflow steps after": sum(o.overflow_sites > 0 for o in obs[at:]),
