@@ -127,26 +127,26 @@ def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Option
                 cand.scale *= value if op == "mul" else 1.0 / value
                 return _walk_scores(x, kinds, cand, depth + 1)
         return None
-    if op in ("add", "sub"):
-        for x, m in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if op == "sub" and x is node.args[1]:
-                continue
-            trial = Candidate("explicit", cand.node, scale=cand.scale)
-            found = _walk_scores(x, kinds, trial, depth + 1)
-            if found is not None:
-                cand.scale, cand.has_mask = trial.scale, True
-                return found
-        return None
+    if op == "add":
+        return _through_mask(node.args[:2], kinds, cand, depth)
+    if op == "sub":
+        return _through_mask(node.args[:1], kinds, cand, depth)
     if op == "masked_fill":
         cand.has_mask = True
         return _walk_scores(node.args[0], kinds, cand, depth + 1)
     if op == "where":
-        for x in (node.args[1], node.args[2]):
-            trial = Candidate("explicit", cand.node, scale=cand.scale)
-            found = _walk_scores(x, kinds, trial, depth + 1)
-            if found is not None:
-                cand.scale, cand.has_mask = trial.scale, True
-                return found
+        return _through_mask(node.args[1:3], kinds, cand, depth)
+    return None
+
+
+def _through_mask(operands, kinds: ValueKinds, cand: Candidate, depth: int) -> Optional[Node]:
+    """The operand of a mask op (add, sub, where) that leads to ``Q Kᵀ``; the rest is mask."""
+    for x in operands:
+        trial = Candidate("explicit", cand.node, scale=cand.scale)
+        found = _walk_scores(x, kinds, trial, depth + 1)
+        if found is not None:
+            cand.scale, cand.has_mask = trial.scale, True
+            return found
     return None
 
 
