@@ -130,16 +130,20 @@ def seq_len_sweep(ctx: Context) -> ScenarioResult:
     if not supported():
         result.notes += " Peak memory is not measurable on this platform."
     bar = ctx.bar(len(lengths) * len(variants), "seq-len sweep")
-    spawn = multiprocessing.get_context("spawn")
-    for length in lengths:
-        for name, options in variants.items():
-            with spawn.Pool(1) as pool:
+    # one task per child process: every point starts from a fresh heap
+    pool = multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1)
+    try:
+        for length in lengths:
+            for name, options in variants.items():
                 point = pool.apply(_sweep_point, (length, {**options, "compiler":
                                                            ctx.timing_compiler},
                                                   ctx.steps(3, 5), ctx.seed + 7))
-            result.rows.append({"seq len": length, "method": name, **point,
-                                "scores MB": 4 * length * length * 4 / 2 ** 20})
-            bar.update(1)
+                result.rows.append({"seq len": length, "method": name, **point,
+                                    "scores MB": 4 * length * length * 4 / 2 ** 20})
+                bar.update(1)
+    finally:
+        pool.close()
+        pool.join()
     bar.close()
     from bench.plots import sweep_plot
 
