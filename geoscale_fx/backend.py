@@ -68,6 +68,21 @@ class GeoscaleBackend:
             log.info("geoscale: no attention in this graph (%d nodes); compiled unchanged",
                      len(gm.graph.nodes))
             return self._compile(gm, list(example_inputs), fused=False)
+        plans, states = self._plan_all(gm, example_inputs, sites)
+        if not plans:
+            return self._compile(gm, list(example_inputs), fused=False)
+        tensors = [t for s in states for t in s.tensors()]
+        variants = self._variants(gm, example_inputs, plans, states, tensors)
+        lowerings = [p.lowering for p in plans]
+        log.info("geoscale: %d attention sites, %d rewritten (fused %d, explicit %d, in-place "
+                 "%d), %d left as is", len(sites), len(plans), lowerings.count("fused"),
+                 lowerings.count("explicit"), lowerings.count("inplace"),
+                 len(sites) - len(plans))
+        (variants["burn_in"] if self._calibrating(plans, states) else variants["predict"]).get()
+        return self._runner(gm, example_inputs, plans, states, tensors, variants)
+
+    def _plan_all(self, gm, example_inputs, sites) -> tuple[list, list]:
+        """A plan and its state for every site that can be rewritten; the rest logged."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         owners = {n.name: example_inputs[i] for i, n in enumerate(placeholders)
                   if i < len(example_inputs)}
@@ -81,16 +96,17 @@ class GeoscaleBackend:
                             note)
                 self.skipped.append(SiteRecord(site, None, None, owner, note))
                 continue
-            device = _device_of(gm, site)
-            state = self.state.get_or_create(plan.key, state_specs(plan), device)
+            state = self.state.get_or_create(plan.key, state_specs(plan), _device_of(gm, site))
             with torch.no_grad():  # α (α0 for auto) follows the plan: "theory" tracks L
                 state.alpha.fill_(plan.alpha)
             self.records[plan.key] = SiteRecord(site, plan, state, owner, note)
             plans.append(plan)
             states.append(state)
-        if not plans:
-            return self._compile(gm, list(example_inputs), fused=False)
-        tensors = [t for s in states for t in s.tensors()]
+        return plans, states
+
+    def _variants(self, gm, example_inputs, plans, states, tensors) -> dict:
+        """The compiled graphs this graph may run, built on first use: the predictive one,
+        and for auto-α the burn-in one (explicit lowering, slack ratios recorded)."""
         variants = {"predict": _Lazy(lambda: self._build(gm, example_inputs, plans, states,
                                                          tensors))}
         if self.options.alpha == "auto":
@@ -98,13 +114,7 @@ class GeoscaleBackend:
                                else "explicit") for p in plans]
             variants["burn_in"] = _Lazy(lambda: self._build(gm, example_inputs, burn_in, states,
                                                             tensors))
-        lowerings = [p.lowering for p in plans]
-        log.info("geoscale: %d attention sites, %d rewritten (fused %d, explicit %d, in-place "
-                 "%d), %d left as is", len(sites), len(plans), lowerings.count("fused"),
-                 lowerings.count("explicit"), lowerings.count("inplace"),
-                 len(sites) - len(plans))
-        (variants["burn_in"] if self._calibrating(plans, states) else variants["predict"]).get()
-        return self._runner(gm, example_inputs, plans, states, tensors, variants)
+        return variants
 
     def _build(self, gm, example_inputs, plans, states, tensors):
         new_gm = rewrite(gm, plans, [s.names for s in states])

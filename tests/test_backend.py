@@ -9,8 +9,6 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import bounds
-from geoscale_fx.config import GeoscaleOptions
 from tests.attention_variants import D, VARIANTS
 from tests.hf_models import HF_MODELS, build_hf
 

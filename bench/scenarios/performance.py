@@ -11,7 +11,7 @@ import time
 import torch
 
 import geoscale_fx
-from bench.memory import peak_extra_bytes, supported
+from bench.memory import supported
 from bench.methods import METHODS
 from bench.runner import Context, ScenarioResult
 

@@ -17,7 +17,7 @@ from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, shape_of
 from geoscale_fx.passes.provenance import (
-    HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
+    HeadRows, NormalizedInput, ProjectionOp, head_rows, parameter_names,
     trace_normalized_input, trace_operand,
 )
 from geoscale_fx.passes.site import ROPE_BOUNDS, AttentionSite, Projection
