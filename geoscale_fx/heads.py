@@ -133,7 +133,9 @@ def site_logit_bound(site: AttentionSite, head_weights: HeadWeights,
     rope_bound = rope_bound or site.rope_bound
     scale = abs(site.softmax_scale)
     if site.rope and rope_bound == "norm_product":
-        return _norm_product(site, head_weights, scale)
+        return norm_product_bound(site, head_weights,
+                                  spectral.head_spectral_norms(head_weights.a_q),
+                                  spectral.head_spectral_norms(head_weights.a_k))
     if site.rope and rope_bound == "relative":
         from geoscale_fx import rope
 
@@ -143,12 +145,6 @@ def site_logit_bound(site: AttentionSite, head_weights: HeadWeights,
                                       terms["cq_ck"], radius_q=site.q.radius,
                                       radius_k=site.k.radius, softmax_scale=scale)
     return bound * rotation_gain(site) if site.rope else bound
-
-
-def _norm_product(site: AttentionSite, head_weights: HeadWeights,
-                  scale: float) -> torch.Tensor:
-    return norm_product_bound(site, head_weights, spectral.head_spectral_norms(head_weights.a_q),
-                              spectral.head_spectral_norms(head_weights.a_k))
 
 
 def norm_product_bound(site: AttentionSite, head_weights: HeadWeights, aq_norm: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Per site (or per head with ``per_head=True``): σ, the bound on |S|, α (auto-α: the frozen
 α_final, the empirical quantile α_emp and how many slack ratios it came from), the scale, the
-last and the largest scaled logit, overflow counts and FP8 utilization. Values are read from the
+last and the largest scaled logit, overflow counts and FP8 utilization. For RoPE sites with
+the certified norm-product bound, "sigma" is ``‖A_q,h‖‖A_k,g(h)‖``, the norm that bound uses. Values are read from the
 sites' state (one host read per call of ``report``, never per step). Scaled-logit figures need
 the logits, so they are present for explicit lowerings and audits (``audit=True``) only.
 """

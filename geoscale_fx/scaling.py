@@ -114,6 +114,8 @@ def _per_head_bound(plan: SitePlan, hw, state: dict) -> torch.Tensor:
             state["floor_k"].zero_()
         else:
             nq, nk = spectral.head_spectral_norms(hw.a_q), spectral.head_spectral_norms(hw.a_k)
+        # the norm this bound uses: ‖A_q,h‖‖A_k,g(h)‖ (≥ σ_h), reported as "sigma"
+        state["sigma"].copy_(nq * nk.repeat_interleave(nq.shape[0] // nk.shape[0]))
         return heads.norm_product_bound(site, hw, nq, nk)
     if plan.power:
         sigma = spectral.per_head_power_step(hw.a_q, hw.a_k, state["u"], state["v"],

@@ -451,3 +451,18 @@ def test_report_rows_and_table_for_a_torch_compiled_model():
     assert "model.layers.1.self_attn" in table and "utilization" in table
     # another model's report does not see these sites
     assert len(geoscale_fx.report(build_hf("gpt2-sdpa")).rows) == 0
+
+
+def test_report_sigma_of_a_rope_site_is_the_norm_its_bound_uses():
+    from geoscale_fx import spectral
+
+    model = build_hf("llama-sdpa")
+    compiled, be = _compile(model)
+    with torch.no_grad():
+        compiled(input_ids=torch.randint(0, 128, (B, L)))
+    for row, record in zip(geoscale_fx.report(compiled, per_head=True).rows[:4],
+                           [next(iter(be.records.values()))] * 4):
+        hw = record.site.head_weights()
+        nq = spectral.head_spectral_norms(hw.a_q)
+        nk = spectral.head_spectral_norms(hw.a_k).repeat_interleave(2)
+        assert row["sigma"] == pytest.approx(float(nq[row["head"]] * nk[row["head"]]), rel=1e-5)

@@ -8,7 +8,6 @@ per-head feature lists. All failures raise ``Unsupported`` naming the node.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -341,7 +340,3 @@ def parameter_names(projection: ProjectionOp) -> tuple[str, str]:
     return (parameter_name(weight) if weight.op == "placeholder" else weight.name,
             "" if bias is None else parameter_name(bias) if bias.op == "placeholder"
             else bias.name)
-
-
-def radius(model_dim: int, factor: float) -> float:
-    return factor * math.sqrt(model_dim)
