@@ -24,14 +24,14 @@ _LAZY = {
     "bounds": ("geoscale_fx.bounds", None),
     "spectral": ("geoscale_fx.spectral", None),
     "find_attention": ("geoscale_fx.capture", "find_attention"),
-    "backend": ("geoscale_fx.backend", "backend"),
-    "GeoscaleBackend": ("geoscale_fx.backend", "GeoscaleBackend"),
+    "backend": ("geoscale_fx.compiler", "backend"),
+    "GeoscaleBackend": ("geoscale_fx.compiler", "GeoscaleBackend"),
     "GeoscaleOptions": ("geoscale_fx.config", "GeoscaleOptions"),
-    "wrap": ("geoscale_fx.wrap", "wrap"),
-    "GeoscaleModule": ("geoscale_fx.wrap", "GeoscaleModule"),
-    "report": ("geoscale_fx.report", "report"),
-    "calibrate": ("geoscale_fx.calibrate", "calibrate"),
-    "AttentionSite": ("geoscale_fx.passes.site", "AttentionSite"),
+    "wrap": ("geoscale_fx.wrapper", "wrap"),
+    "GeoscaleModule": ("geoscale_fx.wrapper", "GeoscaleModule"),
+    "report": ("geoscale_fx.reporting", "report"),
+    "calibrate": ("geoscale_fx.calibration", "calibrate"),
+    "AttentionSite": ("geoscale_fx.passes.site_model", "AttentionSite"),
 }
 
 __all__ = sorted(_LAZY)

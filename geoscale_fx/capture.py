@@ -19,7 +19,7 @@ import torch
 from torch.fx import GraphModule
 
 from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.site import AttentionSite
+from geoscale_fx.passes.site_model import AttentionSite
 
 __all__ = ["CapturedGraph", "capture_graphs", "find_attention"]
 

@@ -56,7 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["inspect"]:
-        from geoscale_fx.inspect import main as inspect_main
+        from geoscale_fx.inspection import main as inspect_main
 
         return inspect_main(argv[1:])
     args = _build_parser().parse_args(argv)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Union
 
 from geoscale_fx.bounds import FP8_MAX
-from geoscale_fx.passes.site import ROPE_BOUNDS
+from geoscale_fx.passes.site_model import ROPE_BOUNDS
 
 __all__ = ["GeoscaleOptions"]
 

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from geoscale_fx import bounds, spectral
-from geoscale_fx.passes.site import AttentionSite, HeadWeights, Projection
+from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Projection
 
 __all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "projection_heads",
            "site_head_weights", "site_logit_bound", "site_bound_terms", "rotation_gain",

@@ -20,7 +20,7 @@ import torch
 from geoscale_fx import bounds, heads, spectral
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.fp8 import overflowed
-from geoscale_fx.passes.site import AttentionSite
+from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.state import StateSpec
 
 __all__ = ["SitePlan", "state_specs", "predict_divisor", "observe", "cold_start",

@@ -20,7 +20,7 @@ from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, ProjectionOp, head_rows, parameter_names,
     trace_normalized_input, trace_operand,
 )
-from geoscale_fx.passes.site import ROPE_BOUNDS, AttentionSite, Projection
+from geoscale_fx.passes.site_model import ROPE_BOUNDS, AttentionSite, Projection
 from geoscale_fx.passes.tracking import AngleChecker, Unsupported
 
 __all__ = ["analyze_graph"]

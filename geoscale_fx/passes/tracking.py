@@ -25,7 +25,7 @@ from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, arg, example_value, op_of, scalar_constant, shape_of,
     static_int,
 )
-from geoscale_fx.passes.site import Rotary
+from geoscale_fx.passes.site_model import Rotary
 
 __all__ = ["Unsupported", "Track", "RotaryTerm", "replay"]
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from geoscale_fx.wrap import GeoscaleModule, wrap
+from geoscale_fx.wrapper import GeoscaleModule, wrap
 
 __all__ = ["calibrate"]
 

@@ -16,7 +16,7 @@ from tabulate import tabulate
 from torch import nn
 
 from geoscale_fx import bounds
-from geoscale_fx.backend import _BACKENDS, GeoscaleBackend, SiteRecord
+from geoscale_fx.compiler import _BACKENDS, GeoscaleBackend, SiteRecord
 
 __all__ = ["Report", "report", "site_records"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from geoscale_fx.backend import GeoscaleBackend
+from geoscale_fx.compiler import GeoscaleBackend
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
@@ -62,7 +62,7 @@ class GeoscaleModule(nn.Module):
         return getattr(self.model, STATE_ATTR)
 
     def report(self, per_head: bool = False):
-        from geoscale_fx.report import report
+        from geoscale_fx.reporting import report
 
         return report(self, per_head=per_head)
 

@@ -1,4 +1,4 @@
-"""``python -m geoscale_fx.inspect MODEL`` / ``geoscale inspect MODEL``: a model's attention sites.
+"""``python -m geoscale_fx.inspection MODEL`` / ``geoscale inspect MODEL``: a model's attention sites.
 
 ``MODEL`` is a name from the repository's ``models_zoo`` (run from a checkout, e.g.
 ``nanogpt``, ``hf-llama``, ``minilm``, ``llama-2-70b --size full``) or ``package.module:fn``,
@@ -17,7 +17,7 @@ import torch
 from tabulate import tabulate
 
 from geoscale_fx.capture import find_attention
-from geoscale_fx.passes.site import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.passes.site_model import ROPE_BOUNDS, AttentionSite
 
 __all__ = ["site_rows", "main"]
 

@@ -25,7 +25,7 @@ from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, example_value, op_of, parameter_name
 from geoscale_fx.passes.rewrite import rewrite, sdpa_call_options
-from geoscale_fx.passes.site import AttentionSite
+from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.scaling import SitePlan, cold_start, finalize_calibration, state_specs
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
 
