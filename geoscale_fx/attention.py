@@ -108,7 +108,10 @@ def explicit_attention(q, k, v, attn_mask: Optional[torch.Tensor], *, softmax_sc
         causal = torch.ones(logits.shape[-2], logits.shape[-1], dtype=torch.bool,
                             device=logits.device).tril()
         logits = logits.masked_fill(~causal, -float("inf"))
-    probs = torch.softmax(logits, dim=-1).to(v.dtype)
+    probs = torch.softmax(logits, dim=-1)
+    # a query whose keys are all masked out attends to nothing (0), as in SDPA, not NaN
+    probs = torch.where(logits.amax(dim=-1, keepdim=True) == -float("inf"), 0.0, probs)
+    probs = probs.to(v.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     return probs @ v

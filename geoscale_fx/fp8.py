@@ -1,7 +1,9 @@
 """FP8 formats, the quantize–dequantize of scaled logits, and overflow accounting.
 
-``.to(torch.float8_e4m3fn)`` *saturates* on torch 2.13 (1000 → 448, inf → 448): an overflow
-never shows up as a NaN, so it is counted explicitly as ``|S / scale| > R_max``.
+On torch 2.13 ``.to(torch.float8_e4m3fn)`` saturates (1000 → 448, inf → 448) but
+``.to(torch.float8_e5m2)`` does not (61440 and above → inf). ``quantize_dequantize`` clamps to
+±R_max first, so both formats saturate (as FP8 kernels with saturating casts do) and an
+overflow never shows up as a NaN: it is counted explicitly as ``|S / scale| > R_max``.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ def fp8_dtype(fmt: str) -> torch.dtype:
 
 
 def quantize_dequantize(scaled: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
-    """Round already-scaled values to FP8 and back (saturating at ±R_max)."""
-    return scaled.to(fp8_dtype(fmt)).to(scaled.dtype)
+    """Round already-scaled values to FP8 and back, saturating at ±R_max (NaN stays NaN)."""
+    dtype = fp8_dtype(fmt)
+    limit = fp8_max(fmt)
+    return scaled.clamp(-limit, limit).to(dtype).to(scaled.dtype)
 
 
 def fake_quantize_logits(logits: torch.Tensor, divisor: torch.Tensor,
@@ -33,11 +37,12 @@ def fake_quantize_logits(logits: torch.Tensor, divisor: torch.Tensor,
 
     ``divisor`` broadcasts against ``logits`` (one scale per head: shape ``(H, 1, 1)``).
     The forward value is the FP8 round trip; the backward pass treats the quantizer as the
-    identity (the usual straight-through estimator for fake quantization).
+    identity (the usual straight-through estimator for fake quantization). Written as
+    ``rounded + (S − S.detach())`` so that a huge ``S`` (1e10) does not cancel to 0.
     """
-    divisor = divisor.to(logits.dtype)
-    rounded = quantize_dequantize(logits / divisor, fmt) * divisor
-    return logits + (rounded - logits).detach()
+    divisor = divisor.detach().to(logits.dtype)
+    rounded = quantize_dequantize(logits.detach() / divisor, fmt) * divisor
+    return rounded + (logits - logits.detach())
 
 
 def scaled_abs_max(logits: torch.Tensor, divisor: torch.Tensor, reduce_dims) -> torch.Tensor:
