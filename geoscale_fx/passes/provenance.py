@@ -212,6 +212,7 @@ def trace_normalized_input(x: Node, kinds: ValueKinds, projection: Node) -> Norm
                 raise Unsupported(f"`{node.name}`: layer_norm over {tuple(shape)} does not "
                                   "bound each token's vector")
             w, b = arg(node, 2, "weight"), arg(node, 3, "bias")
+            _no_offset_under_dropout(node, b, radius_factor)
             head = [("mul", w)] if w is not None else []
             head += [("add", b)] if b is not None else []
             return NormalizedInput("layernorm", node, d, tuple(head + ops_after_norm[::-1]),
@@ -222,6 +223,7 @@ def trace_normalized_input(x: Node, kinds: ValueKinds, projection: Node) -> Norm
             return NormalizedInput("rmsnorm", node, d, tuple(head + ops_after_norm[::-1]),
                                    radius_factor)
         if op == "encoder_layer" and not arg(node, 8, "norm_first"):
+            _no_offset_under_dropout(node, node.args[13], radius_factor)
             head = [("mul", node.args[12]), ("add", node.args[13])]
             return NormalizedInput("layernorm", node, d, tuple(head + ops_after_norm[::-1]),
                                    radius_factor)
@@ -231,6 +233,14 @@ def trace_normalized_input(x: Node, kinds: ValueKinds, projection: Node) -> Norm
         node, radius_factor = _step_back(node, op, d, kinds, ops_after_norm, radius_factor,
                                          projection)
     raise Unsupported(f"no normalization found within 64 ops before `{projection.name}`")
+
+
+def _no_offset_under_dropout(norm: Node, bias, radius_factor: float) -> None:
+    """Training-mode dropout after a norm scales its bias by mask/(1−p) too: ``x̂ + b`` is then
+    not ``gain ⊙ x̂' + offset`` with a fixed offset, so the radius argument does not hold."""
+    if bias is not None and radius_factor != 1.0:
+        raise Unsupported(f"`{norm.name}`: a normalization bias under training-mode dropout "
+                          "(the dropout mask scales the bias too)")
 
 
 def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):

@@ -67,6 +67,7 @@ class RotaryTerm:
     angles: Node         # E
     factor: float        # m
     chain: tuple         # the view ops from cos/sin(E) to the table, to compare both halves
+    keeps_last: bool     # every node from E to the table keeps E's last dim (no slicing)
     table: Node
 
 
@@ -163,6 +164,9 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: "AngleChecker") -> A
     if op == "getitem" and isinstance(value, tuple):
         return value[_static(node.args[1], env)]
     if op in VALUE_CASTS:
+        if node.args[0] is not tracked:
+            raise Unsupported(f"`{node.name}` ({op}) takes the query/key only as a dtype "
+                              "reference; its value comes from elsewhere")
         return value
     if op == "dropout":
         p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
@@ -206,6 +210,8 @@ def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> A
     if op == "div" and node.args[0] is not tracked:
         raise Unsupported(f"`{node.name}`: divides by the query/key")
     value = scalar_constant(other)
+    if value is not None and op == "div" and value == 0:
+        raise Unsupported(f"`{node.name}`: divides the query/key by zero")
     if value is not None:
         factor = 1.0 / value if op == "div" else value
         track = env[tracked]
@@ -225,12 +231,19 @@ _TABLE_VIEWS = frozenset({"unsqueeze", "view", "reshape", "getitem", "expand", "
 
 
 def _trig_origin(table: Node):
-    """``(trig, E, m, chain)`` if ``table`` is ``m·cos(E)`` or ``m·sin(E)`` up to views."""
+    """``(trig, E, m, chain, keeps_last)`` if ``table`` is ``m·cos(E)`` or ``m·sin(E)`` up to
+    views; ``keeps_last``: no node between E and the table changes or moves the last dim."""
     factor, chain, node = 1.0, [], table
+    width = (shape_of(table) or (None,))[-1]
+    keeps_last = True
     for _ in range(32):
         op = op_of(node)
+        keeps_last = keeps_last and (shape_of(node) or (None,))[-1] == width and \
+            op not in ("transpose", "permute")
         if op in ("cos", "sin"):
-            return op, node.args[0], factor, tuple(reversed(chain))
+            angles = node.args[0]
+            keeps_last = keeps_last and (shape_of(angles) or (None,))[-1] == width
+            return op, angles, factor, tuple(reversed(chain)), keeps_last
         if op in VALUE_CASTS:
             node = node.args[0]
         elif op == "mul" and isinstance(node.args[0], Node) and \
@@ -286,7 +299,7 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
         raise Unsupported(f"`{node.name}`: the rotary swap has the wrong signs for a rotation")
     factor = max(abs(c.factor), abs(s.factor))
     verified = (c.angles is s.angles and c.chain == s.chain and c.factor == s.factor
-                and checker.paired(c.angles, pairing))
+                and c.keeps_last and s.keeps_last and checker.paired(c.angles, pairing))
     if not verified:
         factor *= math.sqrt(2.0)  # each 2×2 block has rows of norm ≤ m: ‖block‖₂ ≤ √2·m
     half = width // 2
@@ -295,7 +308,8 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
     checker.record(Rotary(style=style, factor=factor, pairing_verified=verified,
                           pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name,
                           signs=tuple(float(v) for v in sign[0].tolist())))
-    rot = torch.full((), factor, dtype=torch.float32).expand(a.shape)
+    # a rotation of an already rotated value: the gains multiply
+    rot = bc.elementwise(lambda r: torch.where(r > 0, r, 1.0) * factor, a.rot)
     return Track(a.feat, a.tok, a.gain, rot)
 
 
@@ -317,13 +331,17 @@ class AngleChecker:
     def paired(self, angles: Node, pairing: list[int]) -> bool:
         width = len(pairing)
         op = op_of(angles)
+        shape = shape_of(angles) or ()
+        if not shape or shape[-1] != width:
+            return False
         if op == "cat":
             parts, dim = arg(angles, 0, "tensors"), arg(angles, 1, "dim", 0)
-            last = dim in (-1, len(shape_of(angles) or ()) - 1)
+            last = dim in (-1, len(shape) - 1)
             if last and len(parts) == 2 and parts[0] is parts[1] and \
                     pairing == [(j + width // 2) % width for j in range(width)]:
                 return True
         if op == "repeat_interleave" and arg(angles, 1, "repeats") == 2 and \
+                arg(angles, 2, "dim") in (-1, len(shape) - 1) and \
                 pairing == [j ^ 1 for j in range(width)]:
             return True
         values = self._evaluate(angles)
