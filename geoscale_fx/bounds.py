@@ -39,6 +39,7 @@ __all__ = [
     "utilization",
     "select_gamma",
     "alpha_min",
+    "alpha_min_traced",
     "overflow_probability_bound",
     "rank_aware_improvement",
 ]
@@ -215,6 +216,34 @@ def alpha_min(model_dim: int, head_dim: int, n_heads_total: int, seq_len: int,
     log_term = (math.log(4.0) + math.log(n_heads_total) + 2.0 * math.log(seq_len)
                 - math.log(delta))
     return math.sqrt(2.0 * gamma * dh) / d * math.sqrt(log_term)
+
+
+def alpha_min_traced(model_dim: int, head_dim: int, n_heads_total: int,
+                     seq_len: torch.Tensor, delta: float = 1e-6,
+                     newton_steps: int = 4) -> torch.Tensor:
+    """:func:`alpha_min` for a sequence length known only at run time (a float64 tensor).
+
+    Traceable (no host sync, no data-dependent branch), so a graph compiled with dynamic
+    shapes uses the α_min of the length it is actually called with. Eq. (7) is solved by
+    Newton's method on the convex, increasing ``h(γ) = γ − 1 − ln γ`` from
+    ``γ₀ = 1 + T + √(2T)``, which lies right of the root (``ln(1 + x) < x``), so the
+    iterates decrease monotonically to it and never undershoot it (α is never below α_min).
+    Convergence is quadratic: 4 steps reach float64 precision for T in [0.01, 100]
+    (T ≈ 75/d_h for real models); few steps also keep the expression small for Inductor,
+    which inlines the whole chain into one kernel.
+    """
+    d, dh = _check_dims(model_dim, head_dim)
+    n = _check_positive_int("n_heads_total", n_heads_total)
+    dlt = _check_delta(delta)
+    log_l = torch.log(seq_len.double().clamp_min(1.0))
+    base = math.log(2.0) + math.log(n) - math.log(dlt)
+    target = (2.0 / dh) * (base + log_l)
+    gamma = 1.0 + target + torch.sqrt(2.0 * target)
+    for _ in range(newton_steps):
+        excess = gamma - 1.0 - torch.log(gamma) - target
+        gamma = gamma - excess / (1.0 - 1.0 / gamma).clamp_min(1e-300)
+    log_term = math.log(4.0) + math.log(n) - math.log(dlt) + 2.0 * log_l
+    return torch.sqrt(2.0 * gamma * dh) / d * torch.sqrt(log_term)
 
 
 def overflow_probability_bound(alpha: float, model_dim: int, head_dim: int, n_heads_total: int,

@@ -9,6 +9,10 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: scaling must be one of ('geometry', 'delayed', 'current', 'none'), got 'fast'
+    >>> GeoscaleOptions(scaling="delayed", alpha="auto")
+    Traceback (most recent call last):
+    ...
+    ValueError: alpha='auto' calibrates the geometry bound; it needs scaling='geometry', got scaling='delayed'
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Union
 from geoscale_fx.bounds import FP8_MAX
 from geoscale_fx.passes.site_model import ROPE_BOUNDS
 
-__all__ = ["GeoscaleOptions"]
+__all__ = ["GeoscaleOptions", "CastConfig"]
 
 SCALINGS = ("geometry", "delayed", "current", "none")
 GRANULARITIES = ("head", "layer")
@@ -27,6 +31,17 @@ ALPHA_POLICIES = ("theory", "auto")
 DELAYED_RECIPES = ("paper", "te")
 LOWERINGS = ("auto", "fused", "explicit")
 COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class CastConfig:
+    """How one tensor is cast to FP8 (torchao's ``CastConfig`` in spirit): the logits today;
+    q, k and v next. ``scale`` is always a divisor: ``x_fp8 = Q(x / scale)``."""
+    target: str                      # "scores" (the softmax input)
+    scaling: str                     # "geometry" | "delayed" | "current" | "none"
+    fp8_format: str                  # "e4m3" | "e5m2"
+    eta: float                       # the scale maps the bound to η·R_max
+    granularity: str                 # "head" | "layer"
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,49 @@ class GeoscaleOptions:
             raise ValueError(f"quantile must be in (0, 1], got {self.quantile!r}")
         if not isinstance(self.kappa, (int, float)) or self.kappa < 1.0:
             raise ValueError(f"kappa must be >= 1 (a safety multiplier), got {self.kappa!r}")
+        self._cross_validate()
+
+    def _cross_validate(self) -> None:
+        """Every option that only means something under another one, checked together."""
+        defaults = {f.name: f.default for f in fields(self)}
+
+        def changed(name: str) -> bool:
+            return getattr(self, name) != defaults[name]
+
+        if self.alpha == "auto" and self.scaling != "geometry":
+            raise ValueError("alpha='auto' calibrates the geometry bound; it needs "
+                             f"scaling='geometry', got scaling={self.scaling!r}")
+        geometry_only = ("granularity", "estimator", "alpha", "rope_bound", "power_iters",
+                         "cold_start_iters")
+        if self.scaling != "geometry":
+            for name in geometry_only:
+                if changed(name):
+                    raise ValueError(f"{name}={getattr(self, name)!r} only applies to "
+                                     f"scaling='geometry', got scaling={self.scaling!r}")
+        if self.scaling != "delayed":
+            for name in ("delayed_recipe", "history_len"):
+                if changed(name):
+                    raise ValueError(f"{name}={getattr(self, name)!r} only applies to "
+                                     f"scaling='delayed', got scaling={self.scaling!r}")
+        if self.alpha != "auto":
+            for name in ("calib_steps", "quantile", "kappa", "alpha0"):
+                if changed(name):
+                    raise ValueError(f"{name}={getattr(self, name)!r} only applies to "
+                                     f"alpha='auto', got alpha={self.alpha!r}")
+        if self.rope_bound == "relative":
+            raise ValueError("rope_bound='relative' is an analysis option "
+                             "(find_attention(..., rope_bound=...) / site.with_rope_bound); the "
+                             "backend takes 'norm_product' or 'interaction', got "
+                             "rope_bound='relative' with scaling=" + repr(self.scaling))
+        if self.lowering == "fused" and self.materializes_scores:
+            reason = "audit=True" if self.audit else f"scaling={self.scaling!r}"
+            raise ValueError(f"lowering='fused' never materializes the scores, but {reason} "
+                             "observes max|S| every step; use lowering='auto' or 'explicit'")
+
+    @property
+    def scores(self) -> CastConfig:
+        """The cast of the softmax input."""
+        return CastConfig("scores", self.scaling, self.fp8_format, self.eta, self.granularity)
 
     @property
     def delayed_history_len(self) -> int:

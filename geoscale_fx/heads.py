@@ -1,11 +1,14 @@
-"""Canonical per-head weights of an attention site and its certified logit bound.
+"""Canonical per-head weights of an attention site's terms and its certified logit bound.
 
-The analysis (``geoscale_fx.passes``) describes each side of a site as a ``Projection``:
-which weight columns form each head, which per-channel gains and offsets follow the
-normalization, which bias is added. The functions here turn that description plus the
-current parameter tensors into ``(A, c)`` with ``q_h = A_hᵀ x̂ + c_h`` and into the per-head
-bound on ``|S|``. They are pure and traceable: the backend calls the same code inside the
-compiled graph, with ``resolve`` returning graph values instead of eager tensors.
+The analysis (``geoscale_fx.passes``) describes each side of a term as a ``Side``: which
+weight columns form each head, which per-channel gains and offsets follow the normalization,
+which bias is added. The functions here turn that description plus the current parameter
+tensors into ``(A, c)`` with ``q_h = A_hᵀ x̂ + c_h`` and into per-head bounds on ``|S|``:
+
+    bound(S) = modifiers( Σ_t bound_t )
+
+They are pure and traceable: the backend calls the same code inside the compiled graph, with
+``resolve`` returning graph values instead of eager tensors.
 """
 from __future__ import annotations
 
@@ -14,11 +17,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from geoscale_fx import bounds, spectral
-from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Projection
+from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Modifier, Side, Term
 
-__all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "projection_heads",
-           "site_head_weights", "site_logit_bound", "site_bound_terms", "rotation_gain",
-           "norm_product_bound"]
+__all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "side_heads",
+           "term_head_weights", "sigma_bound", "norm_product_bound", "term_logit_bound",
+           "apply_modifiers", "site_logit_bound"]
 
 Resolve = Callable[[str], torch.Tensor]
 
@@ -82,14 +85,13 @@ def fold_channel_ops(channel_ops, resolve: Resolve, model_dim: int
     return gain, offset
 
 
-def projection_heads(projection: Projection, resolve: Resolve
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None."""
-    weight = resolve(projection.weight)
-    w_heads = gather_heads(weight, projection.layout, projection.features)
-    bias = resolve(projection.bias) if projection.bias is not None else None
-    bias_heads = gather_bias(bias, projection.features, projection.bias_offset)
-    gain, offset = fold_channel_ops(projection.channel_ops, resolve, projection.model_dim)
+    weight = resolve(side.weight)
+    w_heads = gather_heads(weight, side.layout, side.features)
+    bias = resolve(side.bias) if side.bias is not None else None
+    bias_heads = gather_bias(bias, side.features, side.bias_offset)
+    gain, offset = fold_channel_ops(side.source.channel_ops, resolve, side.source.width)
     if gain is not None:
         gain = gain.to(device=w_heads.device, dtype=w_heads.dtype)
     if offset is not None:
@@ -97,58 +99,38 @@ def projection_heads(projection: Projection, resolve: Resolve
     return spectral.fold_affine(w_heads, gain, offset, bias_heads)
 
 
-def site_head_weights(site: AttentionSite, resolve: Resolve) -> HeadWeights:
-    a_q, c_q = projection_heads(site.q, resolve)
-    a_k, c_k = projection_heads(site.k, resolve)
+def term_head_weights(term: Term, resolve: Resolve) -> HeadWeights:
+    a_q, c_q = side_heads(term.q, resolve)
+    a_k, c_k = side_heads(term.k, resolve)
     return HeadWeights(a_q, c_q, a_k, c_k)
 
 
-def rotation_gain(site: AttentionSite) -> float:
-    """Bound on how much the rotary embeddings scale ``|qᵀk|`` (1.0 for plain RoPE)."""
-    fq = site.q.rotary.factor if site.q.rotary is not None else 1.0
-    fk = site.k.rotary.factor if site.k.rotary is not None else 1.0
-    return max(fq, 1.0) * max(fk, 1.0)
+# --------------------------------------------------------------------------------------
+# One term
+# --------------------------------------------------------------------------------------
 
+def sigma_bound(term: Term, head_weights: HeadWeights, sigma: torch.Tensor,
+                softmax_scale: float) -> torch.Tensor:
+    """``bounds.affine_logit_bound`` of a term from ``σ`` per head (or per layer, (1,)).
 
-def site_bound_terms(site: AttentionSite, head_weights: HeadWeights,
-                     sigma: Optional[torch.Tensor] = None) -> dict:
-    """The pieces of the bound: σ per head and the offset terms (float64, ``(n_q,)``)."""
-    a_q, c_q, a_k, c_k = head_weights
-    if sigma is None:
-        sigma = spectral.per_head_sigma_exact(a_q, a_k)
-    aq_ck, ak_cq, cq_ck = spectral.bias_terms(a_q, c_q, a_k, c_k)
-    return {"sigma": sigma, "aq_ck": aq_ck, "ak_cq": ak_cq, "cq_ck": cq_ck}
-
-
-def site_logit_bound(site: AttentionSite, head_weights: HeadWeights,
-                     rope_bound: Optional[str] = None,
-                     sigma: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-head bound on ``|S|`` for the site's softmax scale, ``(n_q,)`` float64.
-
-    Without RoPE (or with the paper's ``"interaction"`` option) this is
-    ``bounds.affine_logit_bound`` with ``σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂`` (``sigma`` may be passed in,
-    e.g. a power-iteration estimate). With RoPE the default is the certified
-    ``bounds.norm_product_logit_bound``; ``"relative"`` maximizes over relative positions.
+    With RoPE this is the paper's position-independent interaction bound times the rotation
+    gain: an assumption, not a proof (the caller marks the site uncertified).
     """
-    rope_bound = rope_bound or site.rope_bound
-    scale = abs(site.softmax_scale)
-    if site.rope and rope_bound == "norm_product":
-        return norm_product_bound(site, head_weights,
-                                  spectral.head_spectral_norms(head_weights.a_q),
-                                  spectral.head_spectral_norms(head_weights.a_k))
-    if site.rope and rope_bound == "relative":
-        from geoscale_fx import rope
-
-        return rope.relative_logit_bound(site, head_weights)
-    terms = site_bound_terms(site, head_weights, sigma)
-    bound = bounds.affine_logit_bound(terms["sigma"], terms["aq_ck"], terms["ak_cq"],
-                                      terms["cq_ck"], radius_q=site.q.radius,
-                                      radius_k=site.k.radius, softmax_scale=scale)
-    return bound * rotation_gain(site) if site.rope else bound
+    a_q, c_q, a_k, c_k = head_weights
+    aq_ck, ak_cq, cq_ck = spectral.bias_terms(a_q, c_q, a_k, c_k)
+    if sigma.shape[0] == 1 and aq_ck.shape[0] != 1:  # per layer: the worst head's offsets
+        offsets = (term.q.radius * aq_ck + term.k.radius * ak_cq + cq_ck.abs()).amax()
+        bound = abs(softmax_scale) * (term.q.radius * term.k.radius * sigma.double()
+                                      + offsets).reshape(1)
+    else:
+        bound = bounds.affine_logit_bound(sigma, aq_ck, ak_cq, cq_ck, radius_q=term.q.radius,
+                                          radius_k=term.k.radius,
+                                          softmax_scale=abs(softmax_scale))
+    return bound * term.rotation_gain if term.rope else bound
 
 
-def norm_product_bound(site: AttentionSite, head_weights: HeadWeights, aq_norm: torch.Tensor,
-                       ak_norm: torch.Tensor) -> torch.Tensor:
+def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Tensor,
+                       ak_norm: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Certified RoPE bound from per-head ``‖A_q,h‖`` (n_q,) and ``‖A_k,g‖`` (n_kv,)."""
     _, c_q, _, c_k = head_weights
     group = aq_norm.shape[0] // ak_norm.shape[0]
@@ -158,6 +140,53 @@ def norm_product_bound(site: AttentionSite, head_weights: HeadWeights, aq_norm: 
     ck_norm = zeros if c_k is None else torch.linalg.vector_norm(
         c_k.double(), dim=-1).repeat_interleave(group)
     return bounds.norm_product_logit_bound(aq_norm, ak_norm, cq_norm, ck_norm,
-                                           radius_q=site.q.radius, radius_k=site.k.radius,
-                                           softmax_scale=abs(site.softmax_scale),
-                                           rotation_gain=rotation_gain(site))
+                                           radius_q=term.q.radius, radius_k=term.k.radius,
+                                           softmax_scale=abs(softmax_scale),
+                                           rotation_gain=term.rotation_gain)
+
+
+def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
+                     rope_bound: str) -> torch.Tensor:
+    """Exact per-head bound on one term's contribution to ``|S|``, ``(n_q,)`` float64.
+
+    Without RoPE (or with the paper's ``"interaction"``): ``σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂``
+    exactly. With RoPE the default is the certified norm-product bound; ``"relative"``
+    maximizes over relative positions.
+    """
+    if term.rope and rope_bound == "norm_product":
+        return norm_product_bound(term, head_weights,
+                                  spectral.head_spectral_norms(head_weights.a_q),
+                                  spectral.head_spectral_norms(head_weights.a_k),
+                                  site.softmax_scale)
+    if term.rope and rope_bound == "relative":
+        from geoscale_fx import rope
+
+        return rope.relative_logit_bound(site, term, head_weights)
+    sigma = spectral.per_head_sigma_exact(head_weights.a_q, head_weights.a_k)
+    return sigma_bound(term, head_weights, sigma, site.softmax_scale)
+
+
+# --------------------------------------------------------------------------------------
+# The site: sum of terms, then modifiers
+# --------------------------------------------------------------------------------------
+
+def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier]) -> torch.Tensor:
+    """Push a bound on ``|Σ_t S_t|`` through the ops before the softmax.
+
+    A mask only removes or lowers entries (``-inf`` / negative additive masks are applied
+    after the quantization), so it leaves the bound as is. Softcapping
+    ``c·tanh(S/c)`` is odd and increasing with ``|c·tanh(S/c)| ≤ min(|S|, c)``.
+    """
+    for modifier in modifiers:
+        if modifier.kind == "softcap":
+            bound = torch.clamp(bound, max=abs(modifier.value))
+    return bound
+
+
+def site_logit_bound(site: AttentionSite, term_weights: Sequence[HeadWeights],
+                     rope_bound: Optional[str] = None) -> torch.Tensor:
+    """Per-head bound on what the softmax receives, ``(n_q,)`` float64 (exact routes)."""
+    rope_bound = rope_bound or site.rope_bound
+    total = sum(term_logit_bound(site, term, hw, rope_bound)
+                for term, hw in zip(site.terms, term_weights))
+    return apply_modifiers(total, site.modifiers)

@@ -3,9 +3,11 @@
 Per site (or per head with ``per_head=True``): σ, the bound on |S|, α (auto-α: the frozen
 α_final, the empirical quantile α_emp and how many slack ratios it came from), the scale, the
 last and the largest scaled logit, overflow counts and FP8 utilization. For RoPE sites with
-the certified norm-product bound, "sigma" is ``‖A_q,h‖‖A_k,g(h)‖``, the norm that bound uses. Values are read from the
-sites' state (one host read per call of ``report``, never per step). Scaled-logit figures need
-the logits, so they are present for explicit lowerings and audits (``audit=True``) only.
+the certified norm-product bound, "sigma" is empty and "norm_product" is ``‖A_q,h‖‖A_k,g(h)‖``,
+the norm that bound uses. Values are read from the sites' state (one host read per call of
+``report``, never per step). Scaled-logit figures need the logits, so they are present for
+explicit lowerings and audits (``audit=True``) only. Sites left as is, and calls that Dynamo
+ran eagerly (without FP8), are listed with their reason.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from geoscale_fx.compiler import _BACKENDS, GeoscaleBackend, SiteRecord
 
 __all__ = ["Report", "report", "site_records"]
 
-_COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "bound", "alpha", "alpha_emp",
+_COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
+            "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
             "steps", "certified")
 
@@ -29,6 +32,7 @@ _COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "bound", "alpha", "a
 class Report:
     rows: list[dict]
     skipped: list[dict]
+    eager_calls: int = 0         # wrapped-model calls that Dynamo ran without our graphs
 
     def table(self, floatfmt: str = ".4g") -> str:
         body = tabulate([[r.get(c) for c in _COLUMNS] for r in self.rows], headers=_COLUMNS,
@@ -36,6 +40,9 @@ class Report:
         if self.skipped:
             body += "\n\nleft as is:\n" + tabulate(
                 [[s["site"], s["reason"]] for s in self.skipped], headers=["site", "reason"])
+        if self.eager_calls:
+            body += (f"\n\n{self.eager_calls} call(s) ran eagerly, without FP8 scaling "
+                     "(Dynamo fell back; see the warning logged at the time)")
         return body
 
     def __str__(self) -> str:
@@ -51,20 +58,22 @@ def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
     if isinstance(backend, GeoscaleBackend):
         return list(backend.records.values()), list(backend.skipped)
     inner = getattr(model, "_orig_mod", model)
-    owned = {id(p) for p in inner.parameters()} if isinstance(inner, nn.Module) else set()
+    params = list(inner.parameters()) + list(inner.buffers()) if isinstance(
+        inner, nn.Module) else []
     done, skipped = [], []
     for be in list(_BACKENDS):
-        done += [r for r in be.records.values() if r.owner in owned]
-        skipped += [r for r in be.skipped if r.owner in owned or r.owner == 0]
+        done += [r for r in be.records.values() if r.belongs_to(params)]
+        # a site with no parameter upstream cannot be attributed: shown for every model
+        skipped += [r for r in be.skipped if r.belongs_to(params) or not len(r.owners)]
     return done, skipped
 
 
 def _certified(record: SiteRecord) -> bool:
-    """The last scale came from a proof: exact σ (every step, or the cold-start step), α ≥ 1."""
+    """The last scale came from a proof: a certified plan (per head, every term certified,
+    α ≥ 1) and the exact route (every step, or the cold-start step)."""
     opt = record.plan.options
-    alpha_ok = isinstance(opt.alpha, (int, float)) and opt.alpha >= 1.0
     exact = opt.estimator == "exact" or float(record.state.steps) <= 1
-    return record.site.certified and opt.scaling == "geometry" and alpha_ok and exact
+    return record.plan.certified and exact
 
 
 def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
@@ -73,7 +82,7 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
     values = {name: t.detach().double().cpu() for name, t in st.as_dict().items()}
     observed = plan.lowering != "fused" and plan.options.scaling != "none"
     n = values["scale"].numel()
-    alpha = values["alpha"]
+    alpha = values.get("alpha")            # geometry only
     auto = plan.options.alpha == "auto"
     calibrated = auto and values["calibrated"].item() > 0
     if calibrated:
@@ -86,9 +95,10 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
         rows.append({
             "site": record.site.name, "head": h if h is not None else f"{n} scale(s)",
             "lowering": plan.lowering, "scaling": plan.options.scaling,
-            "sigma": pick(values["sigma"]) if plan.options.scaling == "geometry" else None,
+            "sigma": pick(values["sigma"]) if "sigma" in values else None,
+            "norm_product": pick(values["norm_product"]) if "norm_product" in values else None,
             "bound": pick(values["bound"]) if plan.options.scaling == "geometry" else None,
-            "alpha": pick(alpha),
+            "alpha": pick(alpha) if alpha is not None else None,
             "alpha_emp": pick(values["alpha_emp"]) if calibrated else None,
             "ratios": int(values["calib_count"]) if auto else None,
             "scale": pick(values["scale"]),
@@ -106,4 +116,4 @@ def report(model: Any, per_head: bool = False) -> Report:
     done, skipped = site_records(model)
     rows = [row for record in done for row in _rows(record, per_head)]
     left = [{"site": r.site.name, "reason": r.note or r.site.reason} for r in skipped]
-    return Report(rows, left)
+    return Report(rows, left, int(getattr(model, "eager_calls", 0) or 0))

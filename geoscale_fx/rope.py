@@ -4,7 +4,7 @@ With RoPE, ``S_mn = s (R_m q_m)ᵀ (R_n k_n)`` and for rotary tables whose angle
 the position, ``R_mᵀ R_n = m² T_δ`` depends only on ``δ = n − m`` (``T_δ`` rotates every pair
 of elements by ``δ ω_i``). With thin QR factors ``A = Q R`` (``R``: d_h×d_h) the interaction is
 ``‖A_q T_δ A_kᵀ‖₂ = ‖R_q T_δ R_kᵀ‖₂``, so the per-δ affine bound costs O(d_h³) and the maximum
-over ``δ ∈ (−L, L)`` is certified and tighter than ``‖A_q‖‖A_k‖`` (``heads._norm_product``).
+over ``δ ∈ (−L, L)`` is certified and tighter than ``‖A_q‖‖A_k‖`` (``heads.norm_product_bound``).
 
 The tables are evaluated from the graph (they must depend on constants only, as Hugging Face's
 ``arange`` positions do), and angle linearity ``θ_j(p) = p·θ_j(1) (mod 2π)`` is checked before
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx.passes.site_model import AttentionSite, HeadWeights
+from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Term
 
 __all__ = ["rotary_frequencies", "relative_rotations", "relative_logit_bound"]
 
@@ -62,10 +62,10 @@ def _upper_factor(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(a.detach().double(), mode="r")[1]
 
 
-def relative_logit_bound(site: AttentionSite, head_weights: HeadWeights,
+def relative_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
                          max_distance: Optional[int] = None) -> torch.Tensor:
-    """Per-head ``max_δ`` of the affine bound with ``A_q T_δ A_kᵀ``; ``(n_q,)`` float64."""
-    rq, rk = site.q.rotary, site.k.rotary
+    """Per-head ``max_δ`` of one term's affine bound with ``A_q T_δ A_kᵀ``; ``(n_q,)`` float64."""
+    rq, rk = term.q.rotary, term.k.rotary
     if rq is None or rk is None or rq.partial or rk.partial or not (
             rq.pairing_verified and rk.pairing_verified) or rq.pairing != rk.pairing:
         raise ValueError(f"site {site.name!r}: the relative RoPE bound needs full, verified "
@@ -86,14 +86,14 @@ def relative_logit_bound(site: AttentionSite, head_weights: HeadWeights,
     r_q = _upper_factor(a_q)                                         # (n_q, d_h, d_h)
     r_k = _upper_factor(a_k).repeat_interleave(group, dim=0)
     m = r_q[:, None] @ t[None] @ r_k[:, None].transpose(-1, -2)      # (n_q, n_δ, d_h, d_h)
-    total = site.q.radius * site.k.radius * torch.linalg.matrix_norm(m, ord=2)
+    total = term.q.radius * term.k.radius * torch.linalg.matrix_norm(m, ord=2)
     if c_k is not None:
         ck = c_k.detach().double().repeat_interleave(group, dim=0)
-        total = total + site.q.radius * torch.linalg.vector_norm(
+        total = total + term.q.radius * torch.linalg.vector_norm(
             r_q[:, None] @ t[None] @ ck[:, None, :, None], dim=(-2, -1))
     if c_q is not None:
         cq = c_q.detach().double()
-        total = total + site.k.radius * torch.linalg.vector_norm(
+        total = total + term.k.radius * torch.linalg.vector_norm(
             r_k[:, None] @ t[None].transpose(-1, -2) @ cq[:, None, :, None], dim=(-2, -1))
         if c_k is not None:
             total = total + (cq[:, None, None, :] @ t[None] @ ck[:, None, :, None]).abs()[..., 0, 0]

@@ -65,6 +65,7 @@ class SiteState(nn.Module):
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
         """Copy checkpointed values in place (the graph holds these very tensors)."""
+        copied = set()
         for name, value in saved.items():
             if name not in self.names:
                 continue
@@ -75,7 +76,9 @@ class SiteState(nn.Module):
                 continue
             with torch.no_grad():
                 target.copy_(value)
-        if self.warm_names and self.warm_names <= set(saved):
+            copied.add(name)
+        # warm only when every warm tensor really came back (a skipped one is still zero)
+        if self.warm_names and self.warm_names <= copied:
             self.cold = False
         self.calib_seen = None
 

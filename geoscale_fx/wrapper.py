@@ -12,6 +12,8 @@ scaling state marks every site cold: the next call re-initialises from the loade
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -20,6 +22,8 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
 __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
+
+log = logging.getLogger("geoscale_fx")
 
 STATE_ATTR = "geoscale_state"
 
@@ -38,12 +42,28 @@ class GeoscaleModule(nn.Module):
         # its own Dynamo cache: many wrapped instances of one class never hit the
         # recompile limit (which would silently fall back to eager, without FP8)
         self._compiled = torch.compile(model, backend=self.geoscale, isolate_recompiles=True)
+        self.eager_calls = 0   # calls in which none of our compiled graphs ran
         if not getattr(model, "_geoscale_hooked", False):
             model.register_load_state_dict_post_hook(_mark_cold_without_state)
             model._geoscale_hooked = True
 
     def forward(self, *args, **kwargs):
-        return self._compiled(*args, **kwargs)
+        runs = self.geoscale.runs
+        out = self._compiled(*args, **kwargs)
+        if self.geoscale.records and self.geoscale.runs == runs:
+            self._ran_eagerly()
+        return out
+
+    def _ran_eagerly(self) -> None:
+        """Dynamo ran the model without our graphs (recompile limit, a skipped frame): the
+        attention ran in high precision. Say so once, loudly, and count it for ``report``."""
+        self.eager_calls += 1
+        if self.eager_calls == 1:
+            log.warning(
+                "geoscale: %s ran eagerly, WITHOUT FP8 attention scaling: Dynamo did not run "
+                "its compiled graphs (torch._dynamo.config.recompile_limit=%d reached, or the "
+                "frame was skipped). geoscale_fx.report() counts these calls.",
+                type(self.model).__name__, torch._dynamo.config.recompile_limit)
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)

@@ -38,7 +38,7 @@ def _node(gm, name):
 
 def normalized_input(gm, values, projection) -> torch.Tensor:
     """x̂ (no gain/offset) recomputed from the normalization node's input, shape (..., d)."""
-    node = _node(gm, projection.norm_node)
+    node = _node(gm, projection.source.node)
     op = op_of(node)
     d = projection.model_dim
     if op == "layer_norm":

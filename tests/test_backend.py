@@ -441,7 +441,9 @@ def test_report_rows_and_table_for_a_torch_compiled_model():
     rep = geoscale_fx.report(compiled)
     assert [r["site"] for r in rep.rows] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     for row, record in zip(rep.rows, be.records.values()):
-        assert row["sigma"] == pytest.approx(float(record.state.sigma.max()))
+        # a RoPE site's certified bound uses ‖A_q‖‖A_k‖, reported under its own name
+        assert row["sigma"] is None
+        assert row["norm_product"] == pytest.approx(float(record.state.norm_product.max()))
         assert row["scale"] == pytest.approx(float(record.state.scale.max()))
         assert row["overflow_steps"] == 0 and row["steps"] == 1 and row["certified"]
         assert 0 < row["utilization"] <= 0.8
@@ -453,7 +455,7 @@ def test_report_rows_and_table_for_a_torch_compiled_model():
     assert len(geoscale_fx.report(build_hf("gpt2-sdpa")).rows) == 0
 
 
-def test_report_sigma_of_a_rope_site_is_the_norm_its_bound_uses():
+def test_report_norm_product_of_a_rope_site_is_the_norm_its_bound_uses():
     from geoscale_fx import spectral
 
     model = build_hf("llama-sdpa")
@@ -465,4 +467,6 @@ def test_report_sigma_of_a_rope_site_is_the_norm_its_bound_uses():
         hw = record.site.head_weights()
         nq = spectral.head_spectral_norms(hw.a_q)
         nk = spectral.head_spectral_norms(hw.a_k).repeat_interleave(2)
-        assert row["sigma"] == pytest.approx(float(nq[row["head"]] * nk[row["head"]]), rel=1e-5)
+        assert row["sigma"] is None
+        assert row["norm_product"] == pytest.approx(float(nq[row["head"]] * nk[row["head"]]),
+                                                    rel=1e-5)

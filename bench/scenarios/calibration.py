@@ -6,6 +6,7 @@ audits, quality by the validation loss through the same FP8 path.
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -47,7 +48,8 @@ def utilization(ctx: Context) -> ScenarioResult:
                           batch=ctx.pick(4, 8), bar=bar)[calib:]
         values = [u for o in obs for u in o.utilization]
         alpha = [float(r.state.alpha_final.max()) if "alpha_final" in r.state.names
-                 else float(r.state.alpha.max()) for r in wrapped.geoscale.records.values()]
+                 else float(r.state.alpha.max()) if "alpha" in r.state.names else math.nan
+                 for r in wrapped.geoscale.records.values()]
         result.rows.append({"model": lm.name, "method": name,
                             "median %": 100 * statistics.median(values),
                             "P10 %": 100 * _percentile(values, 0.1),

@@ -15,12 +15,14 @@ from torch.fx import GraphModule, Node
 
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
-from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, shape_of
+from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, op_of, shape_of
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, ProjectionOp, head_rows, parameter_names,
     trace_normalized_input, trace_operand,
 )
-from geoscale_fx.passes.site_model import ROPE_BOUNDS, AttentionSite, Projection
+from geoscale_fx.passes.site_model import (
+    ROPE_BOUNDS, AttentionSite, Modifier, Side, Source, Term,
+)
 from geoscale_fx.passes.tracking import AngleChecker, Unsupported
 
 __all__ = ["analyze_graph"]
@@ -50,7 +52,8 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
         base = dict(name=module_path(cand.node) or cand.node.name, index=first_index + i,
                     kind=cand.kind, node=cand.node.name, graph=graph_index,
                     rope_bound=rope_bound,
-                    nodes=tuple((role, n.name) for role, n in cand.roles.items()))
+                    nodes=tuple((role, n.name) for role, n in cand.roles.items()),
+                    score_op=op_of(cand.roles["scores"]) if "scores" in cand.roles else "")
         try:
             fields = _ANALYZERS[cand.kind](cand, kinds, evaluator, order)
             site = AttentionSite(**base, supported=True, _resolve=resolve, **fields)
@@ -65,23 +68,26 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
 
 # --------------------------------------------------------------------------------------
 
-def _projection(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput,
-                rotaries, features=None, bias_offset: int = 0) -> Projection:
-    """The site-facing description of one side (``rows``: what reached the operand)."""
+def _source(norm: NormalizedInput) -> Source:
     channel_ops = tuple((kind, v.name if isinstance(v, Node) else float(v))
                         for kind, v in norm.channel_ops)
+    return Source(norm=norm.norm, node=norm.node.name, width=norm.model_dim,
+                  channel_ops=channel_ops, radius_factor=norm.radius_factor)
+
+
+def _side(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput, rotaries,
+          features=None, bias_offset: int = 0) -> Side:
+    """The site-facing description of one side (``rows``: what reached the operand)."""
     rotary = None
     if rows.rotation > 0:
         if not rotaries:
             raise Unsupported("internal: rotation without a recorded rotary embedding")
         rotary = replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation)
     weight_param, bias_param = parameter_names(trace_proj)
-    return Projection(
-        weight=trace_proj.weight.name, layout=trace_proj.layout,
+    return Side(
+        source=_source(norm), weight=trace_proj.weight.name, layout=trace_proj.layout,
         features=features if features is not None else rows.features,
-        bias=trace_proj.bias.name if trace_proj.bias is not None else None,
-        norm=norm.norm, norm_node=norm.node.name, channel_ops=channel_ops,
-        model_dim=norm.model_dim, radius_factor=norm.radius_factor, rotary=rotary,
+        bias=trace_proj.bias.name if trace_proj.bias is not None else None, rotary=rotary,
         weight_param=weight_param, bias_param=bias_param, bias_offset=bias_offset,
         operand_gain=rows.gain)
 
@@ -135,36 +141,55 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     _mapping, k_features = _pair_heads(cand, q_rows, k_rows)
     q_norm = trace_normalized_input(q_trace.projection.x, kinds, q_trace.projection.root)
     k_norm = trace_normalized_input(k_trace.projection.x, kinds, k_trace.projection.root)
-    q_proj = _projection(q_trace.projection, q_rows, q_norm, checkers["query"].rotaries)
-    k_proj = _projection(k_trace.projection, k_rows, k_norm, checkers["key"].rotaries,
-                         features=k_features)
+    q_proj = _side(q_trace.projection, q_rows, q_norm, checkers["query"].rotaries)
+    k_proj = _side(k_trace.projection, k_rows, k_norm, checkers["key"].rotaries,
+                   features=k_features)
     return _fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
                    k_track.shape[-2], q_rows.head_of_row)
 
 
-def _fields(cand, q_proj, k_proj, gain, q_len, kv_len, head_of_row) -> dict:
+def _fields(cand, q_side: Side, k_side: Side, gain, q_len, kv_len, head_of_row) -> dict:
     if not math.isfinite(cand.scale):
         raise Unsupported(f"`{cand.node.name}`: the softmax scale is not a compile-time constant")
+    score_heads, score_lead = score_head_period(head_of_row)
     return dict(
-        n_q_heads=q_proj.n_heads, n_kv_heads=k_proj.n_heads, head_dim=q_proj.head_dim,
-        model_dim=q_proj.model_dim, norm=q_proj.norm,
-        rope=q_proj.rotary is not None or k_proj.rotary is not None,
+        n_q_heads=q_side.n_heads, n_kv_heads=k_side.n_heads, head_dim=q_side.head_dim,
         softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
-        has_mask=cand.has_mask,
-        dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len, q=q_proj, k=k_proj,
-        score_heads=tuple(head_of_row.reshape(-1).tolist()),
-        score_lead=tuple(head_of_row.shape))
+        has_mask=cand.has_mask, dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len,
+        terms=(Term(q_side, k_side),),
+        modifiers=tuple(Modifier(kind, node.name, value) for kind, node, value
+                        in cand.modifiers),
+        score_heads=score_heads, score_lead=score_lead)
+
+
+def score_head_period(head_of_row: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(period, fixed_lead)``: the query head of each leading score slice.
+
+    The head of flattened leading index ``i`` is ``period[i % len(period)]``; the dims
+    outside the period hold batch entries, so any batch size fits. When heads vary along the
+    outermost leading dim (heads outside the batch, an unusual layout) no such period exists:
+    the whole lead is returned as ``fixed_lead`` and the rewrite specializes on it.
+    """
+    flat = head_of_row.reshape(-1).tolist()
+    lead = list(head_of_row.shape)
+    while len(lead) > 1 and lead[0] == 1:
+        lead.pop(0)
+    inner = math.prod(lead[1:]) if len(lead) > 1 else len(flat)
+    for period in range(1, inner + 1):
+        if inner % period == 0 and flat == flat[:period] * (len(flat) // period):
+            return tuple(flat[:period]), ()
+    return tuple(flat), tuple(head_of_row.shape)
 
 
 def _contiguous_heads(n: int, d_h: int, offset: int) -> tuple:
     return tuple(tuple(range(offset + h * d_h, offset + (h + 1) * d_h)) for h in range(n))
 
 
-def _opaque_projection(node: Node, weight: Node, bias, norm: NormalizedInput, features,
-                       bias_offset: int = 0) -> Projection:
+def _opaque_side(node: Node, weight: Node, bias, norm: NormalizedInput, features,
+                 bias_offset: int = 0) -> Side:
     op = ProjectionOp(node, node, weight, "linear", bias)
     rows = HeadRows(features, torch.arange(len(features)), 1.0, 0.0, False)
-    return _projection(op, rows, norm, [], bias_offset=bias_offset)
+    return _side(op, rows, norm, [], bias_offset=bias_offset)
 
 
 def _analyze_mha(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
@@ -181,9 +206,9 @@ def _analyze_mha(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
     k_w = arg(node, 19, "k_proj_weight") if separate else in_w
     q_norm = trace_normalized_input(query, kinds, node)
     k_norm = q_norm if key is query else trace_normalized_input(key, kinds, node)
-    q_proj = _opaque_projection(node, q_w, in_b, q_norm, _contiguous_heads(n_heads, d_h, 0))
+    q_proj = _opaque_side(node, q_w, in_b, q_norm, _contiguous_heads(n_heads, d_h, 0))
     k_off = 0 if separate else embed_dim
-    k_proj = _opaque_projection(node, k_w, in_b, k_norm, _contiguous_heads(n_heads, d_h, k_off),
+    k_proj = _opaque_side(node, k_w, in_b, k_norm, _contiguous_heads(n_heads, d_h, k_off),
                                 bias_offset=embed_dim if separate else 0)
     cand.scale = 1.0 / math.sqrt(d_h)
     cand.is_causal = bool(arg(node, 24, "is_causal", False))
@@ -206,8 +231,8 @@ def _analyze_encoder_layer(cand: Candidate, kinds: ValueKinds, evaluator, order)
     else:
         norm = trace_normalized_input(src, kinds, node)
     w, b = node.args[3], node.args[4]
-    q_proj = _opaque_projection(node, w, b, norm, _contiguous_heads(n_heads, d_h, 0))
-    k_proj = _opaque_projection(node, w, b, norm, _contiguous_heads(n_heads, d_h, embed_dim))
+    q_proj = _opaque_side(node, w, b, norm, _contiguous_heads(n_heads, d_h, 0))
+    k_proj = _opaque_side(node, w, b, norm, _contiguous_heads(n_heads, d_h, embed_dim))
     cand.scale = 1.0 / math.sqrt(d_h)
     cand.has_mask = len(node.args) > 18 and node.args[18] is not None
     shape = shape_of(src) or (0, 0)

@@ -2,11 +2,13 @@
 
 For an SDPA site the call is replaced by ``program(q, k, v, attn_mask, *weights, *state)``
 (fused flex_attention or explicit attention, ``geoscale_fx.attention``). For a model's own
-explicit attention the scores ``q @ kᵀ`` are routed through ``program(scores, *weights,
-*state)``, which quantizes them in place of the original and leaves the model's mask, softmax
-and ``· V`` as they were. ``weights`` are the graph's own parameter nodes (placeholders under
-Dynamo), so the scale follows the weights every step; ``state`` are new placeholders appended
-to the graph. Sites without a plan are not touched.
+explicit attention the softmax's input (the ``logits`` role: the scores ``q @ kᵀ``, or a
+softcap's output) is routed through ``program(logits, *weights, *state)``, which quantizes it
+in place of the original and leaves the model's mask, softmax and ``· V`` as they were.
+``weights`` are the graph's own parameter nodes (placeholders under Dynamo), so the scale
+follows the weights every step; ``state`` are new placeholders appended to the graph. Sites
+without a plan are not touched. ``counters["geoscale"]["rewrite_<lowering>"]`` counts every
+replacement, ``counters["geoscale"]["modifier_<kind>"]`` the score modifiers handled.
 """
 from __future__ import annotations
 
@@ -14,17 +16,19 @@ import copy
 from typing import Callable, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx import scaling
 from geoscale_fx.attention import explicit_attention, fused_attention
 from geoscale_fx.fp8 import fake_quantize_logits
 from geoscale_fx.passes.graph_ops import arg, scalar_constant, static_bool
+from geoscale_fx.plan import SitePlan
 
-__all__ = ["make_program", "rewrite"]
+__all__ = ["make_program", "rewrite", "sdpa_call_options"]
 
 
-def _per_scale_amax(plan: scaling.SitePlan, logits: torch.Tensor) -> torch.Tensor:
+def _per_scale_amax(plan: SitePlan, logits: torch.Tensor) -> torch.Tensor:
     """max|S| per head (``(H,)``, heads on dim -3) or per layer (``(1,)``)."""
     a = logits.detach().abs()
     if plan.n_scale == 1:
@@ -32,26 +36,35 @@ def _per_scale_amax(plan: scaling.SitePlan, logits: torch.Tensor) -> torch.Tenso
     return a.amax(dim=(-2, -1)).reshape(-1, plan.n_scale).amax(dim=0)
 
 
-def _sdpa_program(plan: scaling.SitePlan, state_names: Sequence[str],
-                  call: dict) -> Callable:
+def _predict(plan: SitePlan, weights: dict, state: dict, seq_len) -> torch.Tensor:
+    divisor = plan.policy.predict(weights, state, seq_len)
+    state["scale"].copy_(divisor.expand_as(state["scale"]))
+    return divisor
+
+
+def _observe(plan: SitePlan, amax: torch.Tensor, predicted: torch.Tensor,
+             state: dict) -> torch.Tensor:
+    divisor = plan.policy.divisor_after(amax, predicted)
+    scaling.observe(plan.policy, amax, divisor, state)
+    return divisor
+
+
+def _sdpa_program(plan: SitePlan, state_names: Sequence[str], call: dict) -> Callable:
     opt, n_w = plan.options, len(plan.weight_names)
-    quantize = opt.scaling != "none"
 
     def program(q, k, v, attn_mask, *rest):
         weights = dict(zip(plan.weight_names, rest[:n_w]))
         state = dict(zip(state_names, rest[n_w:]))
-        divisor = scaling.predict_divisor(plan, weights, state) if quantize else None
+        seq_len = max(q.shape[-2], k.shape[-2])
+        divisor = _predict(plan, weights, state, seq_len) if plan.quantizes else None
         if plan.lowering == "fused":  # flex_attention has no dropout (never planned with it)
             fused_call = {k_: v_ for k_, v_ in call.items() if k_ != "dropout_p"}
             out = fused_attention(q, k, v, attn_mask, divisor, fmt=opt.fp8_format, **fused_call)
         else:
             def divisor_of(logits):
-                if not quantize:
-                    return None
-                amax = _per_scale_amax(plan, logits)
-                d = scaling.current_divisor(plan, amax) if opt.scaling == "current" else divisor
-                scaling.observe(plan, amax, d, state)
-                return d
+                if not plan.quantizes:
+                    return None   # materialized anyway: what it saw is recorded
+                return _observe(plan, _per_scale_amax(plan, logits), divisor, state)
             out = explicit_attention(q, k, v, attn_mask, fmt=opt.fp8_format,
                                      divisor_of=divisor_of, **call)
         scaling.finish_step(state)
@@ -59,42 +72,46 @@ def _sdpa_program(plan: scaling.SitePlan, state_names: Sequence[str],
     return program
 
 
-def _inplace_program(plan: scaling.SitePlan, state_names: Sequence[str]) -> Callable:
-    opt, site, n_w = plan.options, plan.site, len(plan.weight_names)
-    quantize = opt.scaling != "none"
-    lead = site.score_lead
+def _lead_view(logits: torch.Tensor, plan: SitePlan) -> torch.Tensor:
+    """``(batch, period, L, L')``: leading slices grouped so that index 1 picks the head."""
+    site = plan.site
+    if site.score_lead:   # heads outside the batch: specialize on the analysed lead
+        logits = logits.reshape(*site.score_lead, *logits.shape[-2:])
+    return logits.reshape(-1, len(site.score_heads), *logits.shape[-2:])
 
-    def program(scores, *rest):
+
+def _inplace_program(plan: SitePlan, state_names: Sequence[str], unit: float) -> Callable:
+    """Quantize the site's own logits node; ``unit`` turns its value into softmax-input units
+    (the scores ``q @ kᵀ`` still lack the site's scalar scale; a softcap's output does not)."""
+    opt, site, n_w = plan.options, plan.site, len(plan.weight_names)
+
+    def program(value, *rest):
         weights = dict(zip(plan.weight_names, rest[:n_w]))
         state = dict(zip(state_names, rest[n_w:]))
-        if not quantize:
+        if not plan.quantizes:
             scaling.finish_step(state)
-            return scores
-        divisor = scaling.predict_divisor(plan, weights, state)
-        logits = scores.float() * site.score_scale
-        head_index = torch.tensor(site.score_heads, device=scores.device)
-        lead_amax = logits.detach().abs().amax(dim=(-2, -1)).reshape(-1)
-        if plan.n_scale == 1:
-            amax = lead_amax.amax().reshape(1)
-        else:
-            amax = torch.zeros(plan.n_scale, device=scores.device).scatter_reduce(
-                0, head_index, lead_amax, reduce="amax")
-        if opt.scaling == "current":
-            divisor = scaling.current_divisor(plan, amax)
-        scaling.observe(plan, amax, divisor, state)
-        per_lead = divisor.index_select(0, head_index) if plan.n_scale > 1 else \
+            return value
+        divisor = _predict(plan, weights, state, max(value.shape[-2], value.shape[-1]))
+        logits = _lead_view(value.float() * unit, plan)        # (batch, period, L, L')
+        head_index = torch.tensor(site.score_heads, device=value.device)
+        slot_amax = logits.detach().abs().amax(dim=(0, 2, 3))        # (period,)
+        amax = (slot_amax.amax().reshape(1) if plan.n_scale == 1 else
+                torch.zeros(plan.n_scale, device=value.device).scatter_reduce(
+                    0, head_index, slot_amax, reduce="amax"))
+        divisor = _observe(plan, amax, divisor, state)
+        per_slot = divisor.index_select(0, head_index) if plan.n_scale > 1 else \
             divisor.expand(head_index.numel())
-        quantized = fake_quantize_logits(logits, per_lead.reshape(*lead, 1, 1), opt.fp8_format)
+        quantized = fake_quantize_logits(logits, per_slot.reshape(1, -1, 1, 1), opt.fp8_format)
         scaling.finish_step(state)
-        return (quantized / site.score_scale).to(scores.dtype)
+        return (quantized / unit).reshape(value.shape).to(value.dtype)
     return program
 
 
-def make_program(plan: scaling.SitePlan, state_names: Sequence[str],
-                 sdpa_call: dict | None = None) -> Callable:
+def make_program(plan: SitePlan, state_names: Sequence[str], *, sdpa_call: dict | None = None,
+                 unit: float = 1.0) -> Callable:
     """The function a rewritten node calls (named after the site for readable graphs)."""
     if plan.lowering == "inplace":
-        program = _inplace_program(plan, state_names)
+        program = _inplace_program(plan, state_names, unit)
     else:
         program = _sdpa_program(plan, state_names, sdpa_call or {})
     program.__name__ = program.__qualname__ = f"geoscale_{plan.key}"
@@ -114,7 +131,28 @@ def sdpa_call_options(node: Node) -> dict:
             "dropout_p": scalar_constant(arg(node, 4, "dropout_p", 0.0)) or 0.0}
 
 
-def rewrite(gm: GraphModule, plans: Sequence[scaling.SitePlan],
+def _replace_inplace(graph, by_name, plan: SitePlan, names, weights, nodes) -> None:
+    site = plan.site
+    target = by_name[site.node_name("logits") or site.node_name("scores")]
+    unit = site.score_scale if target.name == site.node_name("scores") else 1.0
+    program = make_program(plan, names, unit=unit)
+    with graph.inserting_after(target):
+        new = graph.call_function(program, (target, *weights, *nodes))
+    target.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+
+
+def _replace_sdpa(graph, by_name, plan: SitePlan, names, weights, nodes) -> None:
+    node = by_name[plan.site.node]
+    program = make_program(plan, names, sdpa_call=sdpa_call_options(node))
+    q, k, v = node.args[:3]
+    with graph.inserting_before(node):
+        new = graph.call_function(program, (q, k, v, arg(node, 3, "attn_mask"), *weights,
+                                            *nodes))
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def rewrite(gm: GraphModule, plans: Sequence[SitePlan],
             states: Sequence[Sequence[str]]) -> GraphModule:
     """A new GraphModule: ``gm`` (unchanged) with every planned site replaced.
 
@@ -135,21 +173,11 @@ def rewrite(gm: GraphModule, plans: Sequence[scaling.SitePlan],
         state_nodes.append(nodes)
     for plan, names, nodes in zip(plans, states, state_nodes):
         weights = [by_name[w] for w in plan.weight_names]
-        if plan.lowering == "inplace":
-            scores = by_name[plan.site.node_name("scores")]
-            program = make_program(plan, names)
-            with graph.inserting_after(scores):
-                new = graph.call_function(program, (scores, *weights, *nodes))
-            scores.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-        else:
-            node = by_name[plan.site.node]
-            program = make_program(plan, names, sdpa_call_options(node))
-            q, k, v = node.args[:3]
-            with graph.inserting_before(node):
-                new = graph.call_function(program, (q, k, v, arg(node, 3, "attn_mask"),
-                                                    *weights, *nodes))
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+        replace = _replace_inplace if plan.lowering == "inplace" else _replace_sdpa
+        replace(graph, by_name, plan, names, weights, nodes)
+        counters["geoscale"][f"rewrite_{plan.lowering}"] += 1
+        for modifier in plan.site.modifiers:
+            counters["geoscale"][f"modifier_{modifier.kind}"] += 1
     graph.lint()
     # a fresh GraphModule: without Dynamo's metadata, which aot_autograd would insist on
     return GraphModule(gm, graph)

@@ -1,4 +1,14 @@
-"""What the analysis knows about an attention: plain data, consumed by reports and the rewrite.
+"""What the analysis knows about an attention: plain data, consumed by reports, plans, rewrites.
+
+A site's logits are a **sum of bilinear terms followed by score modifiers**::
+
+    S = s · Σ_t ⟨q-side_t, k-side_t⟩        then mask / softcap / sink / position bias
+
+Each side of a term is a normalized ``Source`` (``‖x̂‖ ≤ radius``) mapped by weights:
+``q_h = R(A_hᵀ x̂ + c_h)`` with ``A_h = diag(gain) · W[:, features[h]]``, ``c_h`` from the
+offset and bias, and ``R`` an optional rotation (RoPE). Today's sites are one term; a
+multi-term logit (MLA's latent part plus its decoupled RoPE part) is several, and its bound
+is the sum of the terms' bounds, pushed through the modifiers (``geoscale_fx.heads``).
 
 Graph nodes are referred to by name (names are unique within a graph and survive
 ``copy.deepcopy`` of the GraphModule), so a site can be matched against the graph the backend
@@ -13,12 +23,18 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Rotary", "Projection", "AttentionSite", "ROPE_BOUNDS"]
+__all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "AttentionSite",
+           "ROPE_BOUNDS", "MODIFIER_KINDS"]
 
 #: How a RoPE site's logits are bounded: "norm_product" (certified, default),
 #: "relative" (certified, exact max over relative positions) or "interaction" (the paper's
 #: position-independent ‖A_q A_kᵀ‖, empirical only: marks the site certified=False).
 ROPE_BOUNDS = ("norm_product", "relative", "interaction")
+
+#: What may happen to the summed logits before the softmax (in graph order):
+#: "mask" (additive / boolean / causal: never widens the range that is quantized),
+#: "softcap" (``c · tanh(S / c)``: the softmax input is bounded by ``c``).
+MODIFIER_KINDS = ("mask", "softcap")
 
 
 @dataclass(frozen=True)
@@ -40,23 +56,37 @@ class Rotary:
 
 
 @dataclass(frozen=True)
-class Projection:
-    """One side (queries or keys) of a site, traced back to weights and a normalized input.
+class Source:
+    """A normalized input ``x = gain ⊙ x̂ + offset`` with ``‖x̂‖ ≤ radius``.
 
-    Per head ``h``: ``q_h = A_hᵀ x̂ + c_h`` with ``‖x̂‖ ≤ radius_factor·√model_dim``, where
-    ``A_h = diag(gain) · W[:, features[h]]`` (``W`` oriented (d, F)) and
-    ``c_h = W[:, features[h]]ᵀ offset + bias[features[h]]``. ``gain``/``offset`` fold
-    ``channel_ops`` (per-channel ``("mul" | "add", node name or constant)`` applied to x̂).
+    ``channel_ops`` are the per-channel ``("mul" | "add", node name or constant)`` applied to
+    ``x̂`` in order (the norm's own gain and bias first); ``radius = radius_factor · √width``
+    (LayerNorm and RMSNorm give ``‖x̂‖ ≤ √width``; training-mode dropout widens it).
     """
+    norm: str                        # "layernorm" | "rmsnorm"
+    node: str                        # the normalization node
+    width: int                       # d: the normalized vector's length
+    channel_ops: tuple[tuple[str, object], ...] = ()
+    radius_factor: float = 1.0
+
+    @property
+    def radius(self) -> float:
+        """``ρ``: the bound on ``‖x̂‖``."""
+        return self.radius_factor * math.sqrt(self.width)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side (queries or keys) of a term: a source mapped by a weight, per head.
+
+    Per head ``h``: ``q_h = A_hᵀ x̂ + c_h`` where ``A_h = diag(gain) · W[:, features[h]]``
+    (``W`` oriented (d, F)) and ``c_h = W[:, features[h]]ᵀ offset + bias[features[h]]``.
+    """
+    source: Source
     weight: str                      # node name of the weight (a parameter expression)
     layout: str                      # "linear": weight (F, d); "dense": weight (d, F)
-    features: tuple[tuple[int, ...], ...]   # (n_heads, d_h) output-feature indices
-    bias: Optional[str]              # node name of a (F,) bias, or None
-    norm: str                        # "layernorm" | "rmsnorm"
-    norm_node: str
-    channel_ops: tuple[tuple[str, object], ...]
-    model_dim: int
-    radius_factor: float = 1.0
+    features: tuple[tuple[int, ...], ...]   # channel map: (n_heads, d_h) output features
+    bias: Optional[str] = None       # node name of a (F,) bias, or None
     rotary: Optional[Rotary] = None
     weight_param: str = ""           # e.g. "transformer.h.0.attn.c_attn.weight"
     bias_param: str = ""
@@ -73,13 +103,57 @@ class Projection:
 
     @property
     def radius(self) -> float:
-        """``ρ``: the bound on ``‖x̂‖`` (``√d`` after LayerNorm/RMSNorm)."""
-        return self.radius_factor * math.sqrt(self.model_dim)
+        return self.source.radius
+
+    @property
+    def model_dim(self) -> int:
+        return self.source.width
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """Graph nodes whose values this side's weights are computed from."""
+        names = [self.weight] + ([self.bias] if self.bias is not None else [])
+        names += [v for _, v in self.source.channel_ops if isinstance(v, str)]
+        return tuple(names)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.weight_param, self.bias_param) if n)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One bilinear part of the logits: ``⟨q-side, k-side⟩`` per (query head, key head)."""
+    q: Side
+    k: Side
+
+    @property
+    def rope(self) -> bool:
+        return self.q.rotary is not None or self.k.rotary is not None
+
+    @property
+    def rotation_gain(self) -> float:
+        """Bound on how much the rotations scale ``|qᵀk|`` (1.0 for plain RoPE)."""
+        fq = self.q.rotary.factor if self.q.rotary is not None else 1.0
+        fk = self.k.rotary.factor if self.k.rotary is not None else 1.0
+        return max(fq, 1.0) * max(fk, 1.0)
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.q.node_names + self.k.node_names))
+
+
+@dataclass(frozen=True)
+class Modifier:
+    """An op between the summed logits and the softmax (``MODIFIER_KINDS``)."""
+    kind: str
+    node: str
+    value: float = float("nan")      # softcap: c
 
 
 @dataclass(frozen=True)
 class HeadWeights:
-    """Canonical per-head tensors of a site (see ``geoscale_fx.spectral``)."""
+    """Canonical per-head tensors of one term (see ``geoscale_fx.spectral``)."""
     a_q: torch.Tensor                 # (n_q, d, d_h)
     c_q: Optional[torch.Tensor]       # (n_q, d_h) or None
     a_k: torch.Tensor                 # (n_kv, d, d_h)
@@ -91,7 +165,7 @@ class HeadWeights:
 
 @dataclass(frozen=True)
 class AttentionSite:
-    """One attention found in a traced graph, and what produces its queries and keys."""
+    """One attention found in a traced graph, and what produces its logits."""
     name: str                        # module path, e.g. "transformer.h.3.attn"
     index: int                       # order in the forward
     kind: str                        # "sdpa" | "explicit" | "mha" | "encoder_layer"
@@ -102,29 +176,65 @@ class AttentionSite:
     n_q_heads: int = 0
     n_kv_heads: int = 0
     head_dim: int = 0
-    model_dim: int = 0
-    norm: Optional[str] = None
-    rope: bool = False
-    softmax_scale: float = float("nan")   # logits S = softmax_scale · (q_h · k_g) from x̂
+    softmax_scale: float = float("nan")   # logits S = softmax_scale · Σ_t (q_t,h · k_t,g)
     score_scale: float = float("nan")     # factor the site applies to its operands' product
     is_causal: bool = False
     has_mask: bool = False
     dropout_p: float = 0.0
     q_len: int = 0
     kv_len: int = 0
-    q: Optional[Projection] = None
-    k: Optional[Projection] = None
+    terms: tuple[Term, ...] = ()
+    modifiers: tuple[Modifier, ...] = ()
     rope_bound: str = "norm_product"
     nodes: tuple[tuple[str, str], ...] = ()   # named nodes of the site ("scores", "pv", …)
-    score_heads: tuple[int, ...] = ()  # query head of each leading (batch×head) score slice
-    score_lead: tuple[int, ...] = ()   # leading shape of the scores (all dims but L, L')
+    score_op: str = ""               # explicit sites: the op of QKᵀ (matmul, bmm, baddbmm …)
+    #: explicit sites: the query head of the score slice at flattened leading index i is
+    #: ``score_heads[i % len(score_heads)]`` (one period, so any batch size fits)
+    score_heads: tuple[int, ...] = ()
+    score_lead: tuple[int, ...] = ()   # () unless the heads are outside the batch (see analyze)
     _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
                                                               compare=False)
+
+    # ---- derived views ------------------------------------------------------------------
+    @property
+    def q(self) -> Side:
+        """The query side of a one-term site."""
+        return self._single_term().q
+
+    @property
+    def k(self) -> Side:
+        """The key side of a one-term site."""
+        return self._single_term().k
+
+    @property
+    def rope(self) -> bool:
+        return any(t.rope for t in self.terms)
+
+    @property
+    def norm(self) -> Optional[str]:
+        return self.terms[0].q.source.norm if self.terms else None
+
+    @property
+    def model_dim(self) -> int:
+        return self.terms[0].q.source.width if self.terms else 0
 
     @property
     def certified(self) -> bool:
         """Whether :meth:`logit_bound` is a proof (False: it rests on an assumption)."""
         return self.supported and not (self.rope and self.rope_bound == "interaction")
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for t in self.terms for s in (t.q, t.k)
+                                   for n in s.param_names))
+
+    @property
+    def weight_nodes(self) -> tuple[str, ...]:
+        """Every graph node the bound reads (weights, biases, gains), in a stable order."""
+        return tuple(dict.fromkeys(n for t in self.terms for n in t.node_names))
+
+    def modifier(self, kind: str) -> Optional[Modifier]:
+        return next((m for m in self.modifiers if m.kind == kind), None)
 
     def node_name(self, role: str) -> Optional[str]:
         return dict(self.nodes).get(role)
@@ -134,19 +244,31 @@ class AttentionSite:
             raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
         return replace(self, rope_bound=rope_bound)
 
+    # ---- tensor answers from the current parameters ---------------------------------------
     def head_weights(self) -> HeadWeights:
-        """``(A_q, c_q, A_k, c_k)`` for the current parameter values (gain/offset folded in)."""
+        """``(A_q, c_q, A_k, c_k)`` of a one-term site (gain/offset folded in)."""
+        self._single_term()
+        return self.term_weights()[0]
+
+    def term_weights(self) -> list[HeadWeights]:
+        """``HeadWeights`` of every term, for the current parameter values."""
         from geoscale_fx import heads
 
         self._require_supported()
-        return heads.site_head_weights(self, self._resolve)
+        return [heads.term_head_weights(t, self._resolve) for t in self.terms]
 
     def logit_bound(self, **kwargs) -> torch.Tensor:
-        """Per-head bound on ``|S|`` (``(n_q,)``, float64) for the current weights (exact)."""
+        """Per-head bound on what the softmax receives (``(n_q,)``, float64), exact."""
         from geoscale_fx import heads
 
         self._require_supported()
-        return heads.site_logit_bound(self, self.head_weights(), **kwargs)
+        return heads.site_logit_bound(self, self.term_weights(), **kwargs)
+
+    def _single_term(self) -> Term:
+        if len(self.terms) != 1:
+            raise ValueError(f"attention site {self.name!r} has {len(self.terms)} terms; "
+                             "use site.terms")
+        return self.terms[0]
 
     def _require_supported(self) -> None:
         if not self.supported:

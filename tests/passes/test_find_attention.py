@@ -80,8 +80,8 @@ def test_real_minilm_post_ln_with_biases(minilm):
         hw = s.head_weights()
         assert hw.c_q is not None and hw.c_k is not None  # q/k biases + LN offset folded
     # layer 0 reads the embeddings' LayerNorm, later layers the previous block's output LN
-    assert "embeddings" in sites[0].q.channel_ops[0][1]
-    assert "output_modules_layer_norm" in sites[1].q.channel_ops[0][1]
+    assert "embeddings" in sites[0].q.source.channel_ops[0][1]
+    assert "output_modules_layer_norm" in sites[1].q.source.channel_ops[0][1]
     for graph, ss, values in found:
         for s in ss:
             checks.check_projection_matches(graph.gm, values, s, B, atol=2e-5)
@@ -173,7 +173,7 @@ def test_multihead_attention_cross_and_self():
     x, memory = torch.randn(B, L, D), torch.randn(B, 7, D)
     site, = geoscale_fx.find_attention(Cross(), x, memory)
     assert site.supported and site.kind == "mha" and site.kv_len == 7
-    assert site.q.norm_node != site.k.norm_node
+    assert site.q.source.node != site.k.source.node
     with torch.no_grad():
         q_ref, _ = checks.mha_projection_reference(mha.in_proj_weight, mha.in_proj_bias,
                                                    ln_q(x), H)

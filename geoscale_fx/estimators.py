@@ -1,0 +1,197 @@
+"""Estimators: one term's per-step bound on ``|S_t|``, from its current head weights.
+
+An estimator owns the state it needs (``specs``), initialises it on the host at a cold start
+(``cold_start``: the certified exact value goes into a floor for the first step, and the
+power vectors are iterated until they reproduce it), and computes the bound inside the
+compiled graph every step (``bound``: traceable, updates its state in place). The one place
+that picks an estimator for a term is :func:`make_estimator`.
+
+============================  ==============================  =========================
+estimator                      bound of term t                 state
+============================  ==============================  =========================
+``ExactSigma``                 σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂ exact   sigma
+``PowerSigma``                 one warm power step per call     u, v (warm), floor, sigma
+``ExactNormProduct`` (RoPE)    ‖A_q,h‖‖A_k,g(h)‖ exact          norm_product
+``PowerNormProduct`` (RoPE)    power steps on ‖A‖ per head      w_q, w_k (warm), floors
+============================  ==============================  =========================
+
+Per layer (the paper's granularity) the σ estimators use the concatenated heads, (1,).
+State names of term ``t > 0`` carry the prefix ``t{t}_``.
+
+Example::
+
+    >>> import torch
+    >>> from geoscale_fx.estimators import ExactSigma
+    >>> from geoscale_fx.passes.site_model import HeadWeights, Side, Source, Term
+    >>> side = Side(Source("rmsnorm", "norm", 4), "w", "linear", ((0, 1),))
+    >>> est = ExactSigma(Term(side, side), prefix="", softmax_scale=0.5, per_layer=False)
+    >>> hw = HeadWeights(torch.eye(4)[None, :, :2], None, torch.eye(4)[None, :, :2], None)
+    >>> state = {"sigma": torch.zeros(1)}
+    >>> est.bound(hw, state)            # s · ρ² · σ = 0.5 · 4 · 1
+    tensor([2.], dtype=torch.float64)
+"""
+from __future__ import annotations
+
+import torch
+
+from geoscale_fx import heads, spectral
+from geoscale_fx.passes.site_model import HeadWeights, Term
+from geoscale_fx.state import StateSpec
+
+__all__ = ["Estimator", "ExactSigma", "PowerSigma", "ExactNormProduct", "PowerNormProduct",
+           "make_estimator"]
+
+_COLD_TOLERANCE = 1e-4
+_COLD_MAX_ITERS = 1000
+
+
+def _converge(step, exact: torch.Tensor, minimum: int) -> int:
+    """Run ``step()`` (one power iteration, returns estimates) at least ``minimum`` times and
+    until every estimate is within ``_COLD_TOLERANCE`` of the known exact value."""
+    for i in range(1, _COLD_MAX_ITERS + 1):
+        estimate = step().double()
+        if i >= minimum and bool((estimate >= exact * (1 - _COLD_TOLERANCE)).all()):
+            return i
+    return _COLD_MAX_ITERS
+
+
+class Estimator:
+    """Base: a term, the prefix of its state names, the site's softmax scale."""
+
+    #: name of the reported norm (σ, or the norm product ‖A_q‖‖A_k‖ at RoPE sites)
+    reports = "sigma"
+
+    def __init__(self, term: Term, prefix: str, softmax_scale: float, per_layer: bool = False,
+                 iters: int = 1, cold_iters: int = 5):
+        self.term, self.prefix, self.softmax_scale = term, prefix, softmax_scale
+        self.per_layer, self.iters, self.cold_iters = per_layer, iters, cold_iters
+
+    def name(self, base: str) -> str:
+        return f"{self.prefix}{base}"
+
+    @property
+    def n_scale(self) -> int:
+        return 1 if self.per_layer else self.term.q.n_heads
+
+    def specs(self) -> list[StateSpec]:
+        return [StateSpec(self.name(self.reports), (self.n_scale,))]
+
+    def bound(self, hw: HeadWeights, state: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cold_start(self, hw: HeadWeights, state: dict,
+                   generator: torch.Generator | None = None) -> int:
+        """Host side, before the first step: returns the power iterations used (0: none)."""
+        return 0
+
+
+class ExactSigma(Estimator):
+    """σ by the exact Gram route every step (certified)."""
+
+    def _sigma(self, hw: HeadWeights) -> torch.Tensor:
+        if self.per_layer:
+            return spectral.per_layer_sigma_exact(hw.a_q, hw.a_k).reshape(1)
+        return spectral.per_head_sigma_exact(hw.a_q, hw.a_k)
+
+    def bound(self, hw, state):
+        sigma = self._sigma(hw)
+        state[self.name("sigma")].copy_(sigma)
+        return heads.sigma_bound(self.term, hw, sigma, self.softmax_scale)
+
+
+class PowerSigma(ExactSigma):
+    """σ by warm power iteration (a lower bound), floored by the exact value at cold start."""
+
+    def specs(self):
+        d_q, d_k = self.term.q.model_dim, self.term.k.model_dim
+        return super().specs() + [StateSpec(self.name("u"), (self.n_scale, d_q), warm=True),
+                                  StateSpec(self.name("v"), (self.n_scale, d_k), warm=True),
+                                  StateSpec(self.name("floor"), (self.n_scale,))]
+
+    def _step(self, hw, state, iters: int) -> torch.Tensor:
+        step = spectral.per_layer_power_step if self.per_layer else spectral.per_head_power_step
+        return step(hw.a_q, hw.a_k, state[self.name("u")], state[self.name("v")],
+                    iters).reshape(-1)
+
+    def bound(self, hw, state):
+        floor = state[self.name("floor")]
+        sigma = torch.maximum(self._step(hw, state, self.iters).double(), floor.double())
+        floor.zero_()  # the exact floor holds for the cold-start step only
+        state[self.name("sigma")].copy_(sigma)
+        return heads.sigma_bound(self.term, hw, sigma, self.softmax_scale)
+
+    def cold_start(self, hw, state, generator=None):
+        u, v = state[self.name("u")], state[self.name("v")]
+        u0, v0 = spectral.init_power_state(u.shape[0], u.shape[1], v.shape[1],
+                                           generator=generator)
+        u.copy_(u0)
+        v.copy_(v0)
+        exact = self._sigma(hw)
+        used = _converge(lambda: self._step(hw, state, 1), exact, self.cold_iters)
+        state[self.name("floor")].copy_(exact)
+        return used
+
+
+class ExactNormProduct(Estimator):
+    """RoPE, certified: ``‖A_q,h‖‖A_k,g(h)‖`` (exact per-head spectral norms) every step."""
+
+    reports = "norm_product"
+
+    def _bound(self, nq: torch.Tensor, nk: torch.Tensor, hw, state) -> torch.Tensor:
+        group = nq.shape[0] // nk.shape[0]
+        state[self.name("norm_product")].copy_(nq * nk.repeat_interleave(group))
+        return heads.norm_product_bound(self.term, hw, nq, nk, self.softmax_scale)
+
+    def bound(self, hw, state):
+        return self._bound(spectral.head_spectral_norms(hw.a_q),
+                           spectral.head_spectral_norms(hw.a_k), hw, state)
+
+
+class PowerNormProduct(ExactNormProduct):
+    """RoPE: per-head ``‖A‖`` by warm power iteration, floored by the exact value at cold start."""
+
+    def specs(self):
+        n_q, n_kv, d_h = self.term.q.n_heads, self.term.k.n_heads, self.term.q.head_dim
+        return super().specs() + [StateSpec(self.name("w_q"), (n_q, d_h), warm=True),
+                                  StateSpec(self.name("w_k"), (n_kv, d_h), warm=True),
+                                  StateSpec(self.name("floor_q"), (n_q,)),
+                                  StateSpec(self.name("floor_k"), (n_kv,))]
+
+    def bound(self, hw, state):
+        norms = []
+        for side, a in (("q", hw.a_q), ("k", hw.a_k)):
+            floor = state[self.name(f"floor_{side}")]
+            est = spectral.head_norm_power_step(a, state[self.name(f"w_{side}")], self.iters)
+            norms.append(torch.maximum(est.double(), floor.double()))
+            floor.zero_()
+        return self._bound(norms[0], norms[1], hw, state)
+
+    def cold_start(self, hw, state, generator=None):
+        used = 0
+        for side, a in (("q", hw.a_q), ("k", hw.a_k)):
+            w = state[self.name(f"w_{side}")]
+            w.copy_(torch.nn.functional.normalize(torch.randn(w.shape, generator=generator),
+                                                  dim=-1))
+            exact = spectral.head_spectral_norms(a)
+            used += _converge(lambda: spectral.head_norm_power_step(a, w), exact,
+                              self.cold_iters)
+            state[self.name(f"floor_{side}")].copy_(exact)
+        return used
+
+
+def make_estimator(term: Term, index: int, softmax_scale: float, *, granularity: str,
+                   estimator: str, rope_bound: str, power_iters: int = 1,
+                   cold_start_iters: int = 5) -> Estimator:
+    """The estimator of term ``index`` for these options (the only place this is decided).
+
+    RoPE terms with the certified ``"norm_product"`` bound bound ‖A_q‖‖A_k‖ per head; every
+    other term (and every term per layer) bounds σ.
+    """
+    prefix = "" if index == 0 else f"t{index}_"
+    power = estimator == "power"
+    kwargs = dict(iters=power_iters, cold_iters=cold_start_iters)
+    if term.rope and rope_bound == "norm_product" and granularity == "head":
+        cls = PowerNormProduct if power else ExactNormProduct
+        return cls(term, prefix, softmax_scale, **kwargs)
+    cls = PowerSigma if power else ExactSigma
+    return cls(term, prefix, softmax_scale, per_layer=granularity == "layer", **kwargs)

@@ -1,0 +1,161 @@
+"""The runtime of one compiled graph: the host side of every call, and the state's life.
+
+Who writes a site's state, by phase (one writer each):
+
+* creation and checkpoint load: ``state.GeoscaleState`` (spec fills, restored values);
+* cold start (first call, or weights loaded without their scaling state): ``GraphRuntime``
+  through the policy's estimators, on the host, before the graph runs;
+* every step: the compiled graph (in-place updates of its extra inputs);
+* end of the auto-α burn-in: :func:`finalize_calibration`, once, on the host.
+
+``GraphRuntime.__call__`` is what Dynamo calls: cold start if needed, pick the compiled
+variant (auto-α burn-in or predictive), run it with the state appended; when the graph
+raises (e.g. its non-finite-bound assertion), check the sites' weights on the host and raise
+``NonFiniteWeights`` naming the site and the parameter instead.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._dynamo.utils import counters
+from torch.fx import GraphModule, Node
+
+from geoscale_fx.passes.evaluate import ParamEvaluator
+from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name
+from geoscale_fx.plan import SitePlan
+from geoscale_fx.scaling import NonFiniteWeights
+from geoscale_fx.state import SiteState
+
+__all__ = ["GraphRuntime", "finalize_calibration", "check_finite"]
+
+log = logging.getLogger("geoscale_fx")
+
+
+class _Lazy:
+    """A value built on first use (a compiled variant of a graph)."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self._build, self._value = build, None
+
+    def get(self):
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
+
+class GraphRuntime:
+    """The callable returned to Dynamo for one graph with rewritten sites."""
+
+    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], plans: list[SitePlan],
+                 states: list[SiteState], variants: dict[str, Callable[[], Callable]],
+                 calib_steps: int, on_run: Callable[[], None]):
+        self.gm, self.plans, self.states = gm, plans, states
+        self.kinds = ValueKinds(gm.graph, example_inputs)
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+        self.tensors = [t for s in states for t in s.tensors()]
+        self.variants = {name: _Lazy(build) for name, build in variants.items()}
+        self.calib_steps = calib_steps
+        self.on_run = on_run
+
+    def warm_up(self) -> None:
+        """Compile the variant the next call will use (so compile errors surface now)."""
+        self.variants["burn_in" if self.calibrating() else "predict"].get()
+
+    def __call__(self, *args):
+        cold = [(p, s) for p, s in zip(self.plans, self.states) if s.cold]
+        if cold:
+            self._cold_start(args, cold)
+        burn_in = self.calibrating()
+        compiled = self.variants["burn_in" if burn_in else "predict"].get()
+        try:
+            out = compiled(*args, *self.tensors)
+        except RuntimeError:
+            self.diagnose(args)  # an in-graph assertion: name the parameter if it is one
+            raise
+        if burn_in:
+            self._count_burn_in()
+        self.on_run()
+        return out
+
+    # ---- host-side phases ---------------------------------------------------------------
+    def weights(self, args, plan: SitePlan) -> dict:
+        evaluator = ParamEvaluator(self.gm, args, self.kinds)
+        cache: dict = {}
+        return {n: evaluator.evaluate(self.by_name[n], cache) for n in plan.site.weight_nodes}
+
+    def _cold_start(self, args, cold) -> None:
+        for plan, state in cold:
+            weights = self.weights(args, plan)
+            check_finite(plan, weights, self.by_name)
+            used = plan.policy.cold_start(weights, state.as_dict())
+            state.cold = False
+            counters["geoscale"]["cold_starts"] += 1
+            log.debug("geoscale: cold start of %s (%d power iterations)", plan.key, used)
+
+    def diagnose(self, args) -> None:
+        """Raise ``NonFiniteWeights`` naming the first site and parameter that is not finite."""
+        for plan in self.plans:
+            check_finite(plan, self.weights(args, plan), self.by_name)
+
+    def calibrating(self) -> bool:
+        """Auto-α: whether any site of this graph is still in its burn-in (host mirror)."""
+        if not any(p.options.alpha == "auto" for p in self.plans):
+            return False
+        for state in self.states:
+            if state.calib_seen is None:  # one read after creation or a checkpoint load
+                state.calib_seen = (self.calib_steps if bool(state.calibrated)
+                                    else int(state.calib_count))
+        return any(s.calib_seen < self.calib_steps for s in self.states)
+
+    def _count_burn_in(self) -> None:
+        for plan, state in zip(self.plans, self.states):
+            if state.calib_seen < self.calib_steps:
+                state.calib_seen += 1
+                if state.calib_seen == self.calib_steps:
+                    alpha = finalize_calibration(plan, state)
+                    log.info("geoscale: %s calibrated: alpha_final %s", plan.site.name,
+                             [round(a, 6) for a in alpha.tolist()])
+
+
+def finalize_calibration(plan: SitePlan, state: SiteState) -> torch.Tensor:
+    """Freeze ``α_final = quantile_q(r) · κ`` per scale from the recorded slack ratios.
+
+    Raises ValueError when nothing was recorded or a ratio is not finite (a NaN α would
+    silently disable the scale). Returns α_final.
+    """
+    count = int(state.calib_count.item())
+    ratios = state.ratios[:count].double()
+    if count == 0:
+        raise ValueError(f"geoscale: auto-alpha calibration of attention site "
+                         f"'{plan.site.name}' recorded no slack ratio")
+    if not bool(torch.isfinite(ratios).all()):
+        raise ValueError(f"geoscale: auto-alpha calibration of attention site "
+                         f"'{plan.site.name}' saw a non-finite logit; α would be NaN")
+    alpha_emp = torch.quantile(ratios, plan.options.quantile, dim=0)
+    alpha_final = alpha_emp * plan.options.kappa
+    with torch.no_grad():
+        state.alpha_emp.copy_(alpha_emp)
+        state.alpha_final.copy_(alpha_final)
+        state.calibrated.fill_(1.0)
+    state.calib_seen = plan.options.calib_steps
+    return alpha_final
+
+
+def check_finite(plan: SitePlan, weights: dict, by_name: dict[str, Node]) -> None:
+    for name, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                value.device.type != "meta" and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise NonFiniteWeights(
+                f"geoscale: attention site '{plan.site.name}': parameter "
+                f"'{_param_label(by_name[name])}' has {bad} non-finite value(s) out of "
+                f"{value.numel()}; the logit bound (and the FP8 scale) would be NaN")
+
+
+def _param_label(node: Node) -> str:
+    if node.op == "placeholder":
+        return parameter_name(node)
+    names = [parameter_name(n) for n in node.all_input_nodes if n.op == "placeholder"]
+    return f"{node.name} (from {', '.join(names)})" if names else node.name

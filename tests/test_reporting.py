@@ -1,0 +1,85 @@
+"""``report()``: which sites belong to a model, what is certified, what was left as is."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import geoscale_fx
+import models_zoo
+
+
+class ExpressionWeights(torch.nn.Module):
+    """q = x̂ @ W.t(): the weight reaches the site as an expression, not a placeholder."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.wq = torch.nn.Parameter(torch.randn(32, 32) / 6)
+        self.wk = torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        h = self.norm(x)
+        q = (h @ self.wq.t()).view(*x.shape[:2], 4, 8).transpose(1, 2)
+        k = (h @ self.wk.t()).view(*x.shape[:2], 4, 8).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, k)
+
+
+def test_sites_whose_weight_is_an_expression_are_reported():
+    """Ownership was keyed by id() of a weight placeholder: 1 record, 0 report rows."""
+    model = ExpressionWeights()
+    be = geoscale_fx.backend(compiler="aot_eager")
+    compiled = torch.compile(model, backend=be)
+    with torch.no_grad():
+        compiled(torch.randn(2, 8, 32))
+    assert len(be.records) == 1
+    assert len(geoscale_fx.report(compiled).rows) == 1
+    assert len(geoscale_fx.report(model).rows) == 1           # the plain module too
+    assert len(geoscale_fx.report(ExpressionWeights()).rows) == 0   # not another instance
+
+
+def test_per_layer_bounds_are_never_reported_certified():
+    """The paper's per-layer norm is not a bound on any head (heads cancel)."""
+    zoo = models_zoo.get("nanogpt")
+    wrapped = geoscale_fx.wrap(zoo.model, compiler="aot_eager", granularity="layer",
+                               estimator="exact", alpha=1.0)
+    with torch.no_grad():
+        wrapped(**zoo.example_inputs(batch=2, seq_len=16))
+    rows = geoscale_fx.report(wrapped).rows
+    assert rows and not any(r["certified"] for r in rows)
+
+
+def test_per_head_exact_bounds_are_reported_certified_and_power_only_at_cold_start():
+    zoo = models_zoo.get("nanogpt")
+    exact = geoscale_fx.wrap(zoo.model, compiler="aot_eager", estimator="exact")
+    power = geoscale_fx.wrap(models_zoo.get("nanogpt").model, compiler="aot_eager")
+    with torch.no_grad():
+        for _ in range(2):
+            exact(**zoo.example_inputs(batch=2, seq_len=16))
+        power(**zoo.example_inputs(batch=2, seq_len=16))
+    assert all(r["certified"] for r in geoscale_fx.report(exact).rows)
+    assert all(r["certified"] for r in geoscale_fx.report(power).rows)     # cold start
+    with torch.no_grad():
+        power(**zoo.example_inputs(batch=2, seq_len=16))
+    assert not any(r["certified"] for r in geoscale_fx.report(power).rows)  # warm power step
+
+
+def test_theory_alpha_is_not_certified():
+    zoo = models_zoo.get("nanogpt")
+    wrapped = geoscale_fx.wrap(zoo.model, compiler="aot_eager", alpha="theory",
+                               estimator="exact")
+    with torch.no_grad():
+        wrapped(**zoo.example_inputs(batch=2, seq_len=16))
+    assert not any(r["certified"] for r in geoscale_fx.report(wrapped).rows)
+
+
+def test_report_of_observed_scaling_has_no_alpha_or_bound():
+    """Delayed and current scaling have no α or bound; their rows say so (None)."""
+    zoo = models_zoo.get("nanogpt")
+    for scaling in ("delayed", "current"):
+        wrapped = geoscale_fx.wrap(models_zoo.get("nanogpt").model, compiler="aot_eager",
+                                   scaling=scaling)
+        with torch.no_grad():
+            wrapped(**zoo.example_inputs(batch=2, seq_len=16))
+        rows = geoscale_fx.report(wrapped).rows
+        assert rows and all(r["alpha"] is None and r["bound"] is None for r in rows)
+        assert all(r["scale"] > 0 and r["steps"] == 1 for r in rows)
