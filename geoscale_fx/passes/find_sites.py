@@ -3,11 +3,13 @@
 Four forms are recognised:
 
 * ``sdpa``: ``F.scaled_dot_product_attention`` (mask, causal flag, scale, GQA, dropout);
-* ``explicit``: the normal form ``softmax(c · (Q Kᵀ) [+ mask]) [dropout] @ V``, found from each
-  softmax by walking *use-def chains* (casts, scalar ``mul``/``div``, additive / ``masked_fill`` /
-  ``where`` masks) back to a ``matmul``/``bmm``/``baddbmm``/``einsum`` of two activations, and
-  forward to the product with ``V``. Any order of those ops is accepted; no surface pattern is
-  listed;
+* ``explicit``: the normal form ``softmax(M(c · (Q Kᵀ))) [dropout] @ V``, found from each
+  softmax by walking *use-def chains* (casts, scalar ``mul``/``div``, and the score modifiers
+  ``M``: additive / ``masked_fill`` / ``where`` masks, softcapping ``c·tanh(S/c)``) back to a
+  ``matmul``/``bmm``/``baddbmm``/``einsum`` of two activations, and forward to the product with
+  ``V``. Any order of those ops is accepted; no surface pattern is listed. The modifiers are
+  recorded in graph order, and the node whose value the softmax's input is made of (the
+  scores, or the softcap's output) is the ``logits`` role;
 * ``mha``: ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``; Dynamo keeps it opaque);
 * ``encoder_layer``: ``torch._transformer_encoder_layer_fwd`` (``nn.TransformerEncoderLayer``'s
   inference fast path: the whole layer is one op).
@@ -46,6 +48,7 @@ class Candidate:
     dropout_p: float = 0.0
     gqa: bool = False
     roles: dict = field(default_factory=dict)
+    modifiers: list = field(default_factory=list)   # (kind, node, value), in graph order
 
 
 def find_candidates(graph: Graph, kinds: ValueKinds) -> list[Candidate]:
@@ -72,11 +75,13 @@ def _sdpa(node: Node) -> Candidate:
     scale = (1.0 / math.sqrt((shape_of(q) or (1,))[-1]) if scale is None
              else scalar_constant(scale))
     dropout = scalar_constant(arg(node, 4, "dropout_p", 0.0))
+    is_causal = static_bool(arg(node, 5, "is_causal", False))
+    masked = mask is not None or is_causal
     return Candidate("sdpa", node, query=q, key=k, scale=scale if scale is not None else
-                     float("nan"), is_causal=static_bool(arg(node, 5, "is_causal", False)),
-                     has_mask=mask is not None, dropout_p=dropout or 0.0,
-                     gqa=static_bool(arg(node, 7, "enable_gqa", False)),
-                     roles={"attention": node})
+                     float("nan"), is_causal=is_causal, has_mask=mask is not None,
+                     dropout_p=dropout or 0.0, gqa=static_bool(arg(node, 7, "enable_gqa", False)),
+                     roles={"attention": node},
+                     modifiers=[("mask", node, float("nan"))] if masked else [])
 
 
 def _softmax_dim_is_last(node: Node) -> bool:
@@ -98,6 +103,7 @@ def _explicit(softmax: Node, kinds: ValueKinds) -> Optional[Candidate]:
     if not _set_operands(scores, cand):
         return None
     cand.roles.update({"scores": scores, "softmax": softmax, "pv": pv})
+    cand.roles.setdefault("logits", scores)
     return cand
 
 
@@ -119,6 +125,9 @@ def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Option
         return None
     if op in VALUE_CASTS:
         return _walk_scores(node.args[0], kinds, cand, depth + 1)
+    softcap = _softcap(node)
+    if softcap is not None:
+        return _through_softcap(node, *softcap, kinds, cand, depth)
     if op in ("mul", "div"):
         a, b = node.args[0], node.args[1]
         for x, c in ((a, b), (b, a)) if op == "mul" else ((a, b),):
@@ -128,24 +137,58 @@ def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Option
                 return _walk_scores(x, kinds, cand, depth + 1)
         return None
     if op == "add":
-        return _through_mask(node.args[:2], kinds, cand, depth)
+        return _through_mask(node, node.args[:2], kinds, cand, depth)
     if op == "sub":
-        return _through_mask(node.args[:1], kinds, cand, depth)
+        return _through_mask(node, node.args[:1], kinds, cand, depth)
     if op == "masked_fill":
-        cand.has_mask = True
-        return _walk_scores(node.args[0], kinds, cand, depth + 1)
+        return _through_mask(node, node.args[:1], kinds, cand, depth)
     if op == "where":
-        return _through_mask(node.args[1:3], kinds, cand, depth)
+        return _through_mask(node, node.args[1:3], kinds, cand, depth)
     return None
 
 
-def _through_mask(operands, kinds: ValueKinds, cand: Candidate, depth: int) -> Optional[Node]:
-    """The operand of a mask op (add, sub, where) that leads to ``Q Kᵀ``; the rest is mask."""
+def _softcap(node: Node) -> Optional[tuple[Node, float]]:
+    """``(tanh input, c)`` if ``node`` is ``c · tanh(y)`` (up to casts), else None."""
+    if op_of(node) != "mul":
+        return None
+    for t, c in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        value = scalar_constant(c)
+        while isinstance(t, Node) and op_of(t) in VALUE_CASTS:
+            t = t.args[0]
+        if value is not None and value != 0 and isinstance(t, Node) and op_of(t) == "tanh":
+            return t.args[0], value
+    return None
+
+
+def _through_softcap(node: Node, inner: Node, cap: float, kinds: ValueKinds, cand: Candidate,
+                     depth: int) -> Optional[Node]:
+    """Softcapping ``c·tanh(y)``: walk ``y = s·QKᵀ/c``; S's own scale is ``s = scale(y)·c``.
+
+    Factors between the softcap and the softmax do not change what must be quantized (the
+    softcap's output, bounded by ``c``), so the scale restarts below it.
+    """
+    trial = Candidate("explicit", cand.node)
+    found = _walk_scores(inner, kinds, trial, depth + 1)
+    if found is None:
+        return None
+    cand.scale = trial.scale * cap
+    cand.has_mask = cand.has_mask or trial.has_mask
+    cand.modifiers[:0] = trial.modifiers + [("softcap", node, abs(cap))]
+    cand.roles.setdefault("logits", node)
+    return found
+
+
+def _through_mask(node: Node, operands, kinds: ValueKinds, cand: Candidate, depth: int
+                  ) -> Optional[Node]:
+    """The operand of a mask op (add, sub, where, masked_fill) that leads to ``Q Kᵀ``; the
+    rest is mask."""
     for x in operands:
         trial = Candidate("explicit", cand.node, scale=cand.scale)
         found = _walk_scores(x, kinds, trial, depth + 1)
         if found is not None:
             cand.scale, cand.has_mask = trial.scale, True
+            cand.modifiers[:0] = trial.modifiers + [("mask", node, float("nan"))]
+            cand.roles.update(trial.roles)
             return found
     return None
 

@@ -40,7 +40,8 @@ _FUNCTIONS: dict[Any, str] = {
     F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm",
     F.rms_norm: "rms_norm", torch.rms_norm: "rms_norm",
     torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.pow: "pow", operator.pow: "pow",
-    torch.mean: "mean", torch.cos: "cos", torch.sin: "sin",
+    torch.mean: "mean", torch.cos: "cos", torch.sin: "sin", torch.tanh: "tanh",
+    F.tanh: "tanh",
     torch._C._nn.scaled_dot_product_attention: "sdpa", F.scaled_dot_product_attention: "sdpa",
     F.multi_head_attention_forward: "mha",
     torch._transformer_encoder_layer_fwd: "encoder_layer",
@@ -64,7 +65,7 @@ _METHODS: dict[str, str] = {
     "neg": "neg", "__neg__": "neg",
     "softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm",
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
-    "pow": "pow", "mean": "mean", "cos": "cos", "sin": "sin",
+    "pow": "pow", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
 }
 
 #: Ops that only move or copy elements (value semantics preserved element-wise).

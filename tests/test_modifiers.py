@@ -1,0 +1,118 @@
+"""Score modifiers: softcapping ``c·tanh(S/c)`` found, bounded by ``min(B, c)``, quantized."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import geoscale_fx
+
+
+class Softcapped(torch.nn.Module):
+    """Explicit attention with Gemma-2's softcap; ``cap`` may be large (a no-op) or small."""
+
+    def __init__(self, cap: float, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.cap, self.heads = cap, heads
+        self.norm, self.qkv = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4)                                                   # (B, H, L, d_h)
+        scores = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5
+        scores = torch.tanh(scores / self.cap) * self.cap
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+def _inflated(cap: float) -> Softcapped:
+    model = Softcapped(cap)
+    with torch.no_grad():
+        model.qkv.weight.mul_(6.0)     # logits in the hundreds: FP8 scaling matters
+    return model
+
+
+def test_softcap_is_a_modifier_and_caps_the_bound():
+    model = _inflated(cap=5.0)
+    site, = geoscale_fx.find_attention(model, torch.randn(2, 8, 32))
+    assert site.supported and site.kind == "explicit"
+    assert [m.kind for m in site.modifiers] == ["softcap", "mask"]
+    assert site.modifiers[0].value == 5.0
+    assert site.softmax_scale == pytest.approx(8 ** -0.5)
+    uncapped = site.with_rope_bound("norm_product")      # same site, exact bound
+    from geoscale_fx import heads
+
+    raw = sum(heads.term_logit_bound(site, t, hw, "norm_product")
+              for t, hw in zip(site.terms, site.term_weights()))
+    assert bool((raw > 5.0).all())                        # the cap is what binds
+    assert torch.equal(uncapped.logit_bound(), torch.full((4,), 5.0, dtype=torch.float64))
+
+
+def test_softcap_site_with_scaling_none_equals_eager():
+    model = _inflated(cap=30.0)
+    x = torch.randn(2, 8, 32)
+    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [5.0, 1e4])
+def test_softcap_site_is_quantized_after_the_cap_without_overflow(cap):
+    """What the softmax receives is quantized: ``|c·tanh(S/c)| ≤ min(B, c)``, so a small cap
+    gives a small scale (fine resolution) and never an overflow."""
+    counters.clear()
+    model = _inflated(cap)
+    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        out = wrapped(x)
+        expected = model(x)
+    record, = wrapped.geoscale.records.values()
+    assert record.plan.lowering == "inplace"
+    assert record.site.node_name("logits") != record.site.node_name("scores")
+    assert counters["geoscale"]["modifier_softcap"] == 1
+    assert record.state.overflow_steps.item() == 0
+    assert float(record.state.bound.max()) <= cap + 1e-9
+    assert 0 < float(record.state.max_scaled.max()) <= 0.8 * 448 * (1 + 1e-5)
+    # the observed softmax input: |c·tanh(S/c)| over every head
+    assert float(record.state.amax.max()) <= min(cap, float(record.state.bound.max())) + 1e-4
+    torch.testing.assert_close(out, _quantized_reference(model, x, record.state.scale),
+                               rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(out, expected, rtol=1e-4, atol=1e-4)   # FP8 did something
+
+
+def _quantized_reference(model: Softcapped, x: torch.Tensor, scale: torch.Tensor):
+    """The model with its softcapped logits fake-quantized per head, written independently."""
+    b, n, d = x.shape
+    with torch.no_grad():
+        q, k, v = model.qkv(model.norm(x)).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        capped = torch.tanh((q @ k.transpose(-1, -2)) * 8 ** -0.5 / model.cap) * model.cap
+        s = scale.view(1, 4, 1, 1)
+        capped = (capped / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        return torch.softmax(capped.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.zoo
+def test_gemma2_softcapping_is_found_and_rewritten():
+    """HF Gemma-2 (eager attention: HF has no SDPA path for softcapping)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma2Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+        attn_implementation="eager", attn_logit_softcapping=50.0, sliding_window=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    sites = geoscale_fx.find_attention(model, input_ids=ids)
+    assert [(s.supported, s.n_q_heads, s.n_kv_heads, s.head_dim) for s in sites] == \
+        [(True, 4, 2, 16)] * 2
+    assert all(s.modifier("softcap").value == 50.0 for s in sites)
+    counters.clear()
+    none = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
+    with torch.no_grad():
+        torch.testing.assert_close(none(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert counters["geoscale"]["modifier_softcap"] == 2
