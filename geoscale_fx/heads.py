@@ -79,14 +79,35 @@ def fold_channel_ops(channel_ops, resolve: Resolve, model_dim: int
             offset = t if offset is None else offset + t
     if gain is not None and not isinstance(gain, torch.Tensor):
         gain = torch.full((model_dim,), float(gain))
+    elif gain is not None and gain.numel() == 1:
+        gain = gain.expand(model_dim)
     if offset is not None:
         offset = (offset if isinstance(offset, torch.Tensor)
                   else torch.tensor(float(offset))).expand(model_dim)
     return gain, offset
 
 
+def _normalized_heads(side: Side, resolve: Resolve
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(A, c)`` of a side made of a QK-norm: ``A_h = diag(gain_h)`` (n, d_h, d_h)."""
+    index = torch.tensor([[side.source.channel_index[f] for f in row] for row in side.features])
+    gain, offset = fold_channel_ops(side.source.channel_ops, resolve, side.source.width)
+    if gain is None:
+        a = torch.eye(side.head_dim).expand(side.n_heads, -1, -1)
+    else:
+        a = torch.diag_embed(gain.index_select(0, index.reshape(-1).to(gain.device))
+                             .reshape(index.shape))
+    c = None
+    if offset is not None:
+        c = offset.index_select(0, index.reshape(-1).to(offset.device)).reshape(index.shape)
+        c = c.to(a.dtype)
+    return a, c
+
+
 def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None."""
+    if side.weight is None:
+        return _normalized_heads(side, resolve)
     weight = resolve(side.weight)
     w_heads = gather_heads(weight, side.layout, side.features)
     bias = resolve(side.bias) if side.bias is not None else None

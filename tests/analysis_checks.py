@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Interpreter
 
+from geoscale_fx.capture import capture_graphs
+from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import arg, op_of
 
 
@@ -137,3 +139,38 @@ def mha_projection_reference(module_in_proj_weight, module_in_proj_bias, x_affin
     q, k = qkv[..., :e], qkv[..., e:2 * e]
     shape = x_affine.shape[:-1] + (n_heads, e // n_heads)
     return q.reshape(shape), k.reshape(shape)
+
+
+def scale_up_gains_and_biases(model, factor=4.0):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or "norm" in name or "sinks" in name or "LayerNorm" in name or (
+                    name.endswith("bias") and any(t in name for t in ("c_attn", "query", "key",
+                                                                      "q_proj", "k_proj"))):
+                p.mul_(factor).add_(0.5 * torch.randn_like(p))
+
+
+def adversarial(model, steps=25, batch=2, seq=12, d=64):
+    """Gradient ascent on inputs_embeds to maximize every site's max|S| / bound."""
+    graphs = capture_graphs(model, inputs_embeds=torch.randn(batch, seq, d))
+    graph = graphs[0]
+    sites = analyze_graph(graph.gm, graph.example_inputs)
+    bounds = [s.logit_bound() for s in sites]
+    pos = [i for i, n in enumerate(graph.gm.graph.nodes) if n.op == "placeholder"
+           and "inputs_embeds" in n.name]
+    embeds = torch.randn(batch, seq, d, requires_grad=True)
+    opt = torch.optim.Adam([embeds], lr=0.1)
+    best = torch.zeros(len(sites), dtype=torch.float64)
+    best_logit = torch.zeros(len(sites), dtype=torch.float64)
+    for _ in range(steps):
+        inputs = list(graph.example_inputs)
+        inputs[pos[0]] = embeds
+        values = record(graph.gm, inputs)
+        observed = [observed_logits(graph.gm, values, s, batch) for s in sites]
+        ratios = torch.stack([(o / b).max() for o, b in zip(observed, bounds)])
+        best = torch.maximum(best, ratios.detach())
+        best_logit = torch.maximum(best_logit, torch.stack([o.max() for o in observed]).detach())
+        opt.zero_grad()
+        (-ratios.sum()).backward()
+        opt.step()
+    return sites, best, best_logit

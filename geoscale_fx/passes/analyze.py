@@ -17,7 +17,7 @@ from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, op_of, shape_of
 from geoscale_fx.passes.provenance import (
-    HeadRows, NormalizedInput, ProjectionOp, head_rows, parameter_names,
+    HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
     trace_normalized_input, trace_operand,
 )
 from geoscale_fx.passes.site_model import (
@@ -68,21 +68,43 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
 
 # --------------------------------------------------------------------------------------
 
-def _source(norm: NormalizedInput) -> Source:
+def _source(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Source:
     channel_ops = tuple((kind, v.name if isinstance(v, Node) else float(v))
                         for kind, v in norm.channel_ops)
     return Source(norm=norm.norm, node=norm.node.name, width=norm.model_dim,
-                  channel_ops=channel_ops, radius_factor=norm.radius_factor)
+                  channel_ops=channel_ops, radius_factor=norm.radius_factor,
+                  channel_index=channel_index)
+
+
+def _side_of(trace: OperandTrace, rows: HeadRows, checker: AngleChecker, kinds: ValueKinds,
+             features=None) -> Side:
+    """A side from its operand's trace: the projection's normalized input, or the QK-norm
+    the operand is made of (then the side has no weight of its own)."""
+    unit = trace.norm_unit
+    if unit is None:
+        norm = trace_normalized_input(trace.projection.x, kinds, trace.projection.root)
+        return _side(trace.projection, rows, norm, checker.rotaries, features=features)
+    width, position = checker.norms[unit.id]
+    n_features = (shape_of(trace.projection.root) or (0,))[-1]
+    index = tuple(position.get(f, -1) for f in range(n_features))
+    rotary = _rotary(rows, checker.rotaries)
+    return Side(source=_source(unit.norm, index), weight=None, layout="identity",
+                features=features if features is not None else rows.features, rotary=rotary,
+                operand_gain=rows.gain)
+
+
+def _rotary(rows: HeadRows, rotaries):
+    if rows.rotation <= 0:
+        return None
+    if not rotaries:
+        raise Unsupported("internal: rotation without a recorded rotary embedding")
+    return replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation)
 
 
 def _side(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput, rotaries,
           features=None, bias_offset: int = 0) -> Side:
     """The site-facing description of one side (``rows``: what reached the operand)."""
-    rotary = None
-    if rows.rotation > 0:
-        if not rotaries:
-            raise Unsupported("internal: rotation without a recorded rotary embedding")
-        rotary = replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation)
+    rotary = _rotary(rows, rotaries)
     weight_param, bias_param = parameter_names(trace_proj)
     return Side(
         source=_source(norm), weight=trace_proj.weight.name, layout=trace_proj.layout,
@@ -139,11 +161,8 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     if q_track.shape[-1] != k_track.shape[-1]:
         raise Unsupported(f"`{cand.node.name}`: query and key head widths differ")
     _mapping, k_features = _pair_heads(cand, q_rows, k_rows)
-    q_norm = trace_normalized_input(q_trace.projection.x, kinds, q_trace.projection.root)
-    k_norm = trace_normalized_input(k_trace.projection.x, kinds, k_trace.projection.root)
-    q_proj = _side(q_trace.projection, q_rows, q_norm, checkers["query"].rotaries)
-    k_proj = _side(k_trace.projection, k_rows, k_norm, checkers["key"].rotaries,
-                   features=k_features)
+    q_proj = _side_of(q_trace, q_rows, checkers["query"], kinds)
+    k_proj = _side_of(k_trace, k_rows, checkers["key"], kinds, features=k_features)
     return _fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
                    k_track.shape[-2], q_rows.head_of_row)
 

@@ -20,7 +20,7 @@ from geoscale_fx.passes.graph_ops import (
 )
 from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported, replay
 
-__all__ = ["ProjectionOp", "NormalizedInput", "OperandTrace", "trace_operand",
+__all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
            "trace_normalized_input", "head_rows", "HeadRows"]
 
 
@@ -47,6 +47,7 @@ class NormalizedInput:
 class OperandTrace:
     projection: ProjectionOp
     track: Track
+    norm_unit: Optional["NormUnit"] = None    # the QK-norm the operand is made of, if any
 
 
 def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
@@ -75,9 +76,65 @@ def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
     return None
 
 
-def find_projection(operand: Node, kinds: ValueKinds, role: str) -> tuple[ProjectionOp, set]:
-    """The unique projection feeding ``operand`` and the nodes visited on the way back."""
+#: ops that keep each token's feature vector (walked through on the way to a normalization)
+_VIEWS = ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute",
+          "contiguous", "getitem", "expand")
+
+
+@dataclass(frozen=True)
+class NormUnit:
+    """A normalization after the projection (QK-norm): ``end`` is its last per-channel op."""
+    id: int
+    end: Node
+    input: Node                   # the normalized tensor (its elements map 1:1 to ``end``'s)
+    norm: "NormalizedInput"
+
+
+def _norm_unit(node: Node, kinds: ValueKinds, unit_id: int) -> Optional[NormUnit]:
+    """``node`` as the end of a normalization over the last dim of an activation, or None.
+
+    Its per-channel ops must be parameters (never a rotary table, which a length-1 decode
+    step would make look per-channel).
+    """
+    if op_of(node) in VALUE_CASTS or op_of(node) in _VIEWS:
+        return None     # the unit ends at the norm or at its last gain, not at a view of it
+    try:
+        norm = trace_normalized_input(node, kinds, node)
+    except Unsupported:
+        return None
+    if any(isinstance(v, Node) and _trig_table(v) for _, v in norm.channel_ops):
+        return None
+    source = _norm_input(norm.node)
+    if source is None or not kinds.is_activation(source):
+        return None
+    return NormUnit(unit_id, node, source, norm)
+
+
+def _trig_table(node: Node) -> bool:
+    from geoscale_fx.passes.tracking import _trig_origin
+
+    return _trig_origin(node) is not None
+
+
+def _norm_input(norm: Node) -> Optional[Node]:
+    """The tensor a normalization node normalizes (for a hand-written LayerNorm: x, not
+    x − mean(x), whose elements are not x's)."""
+    op = op_of(norm)
+    if op in ("layer_norm", "rms_norm"):
+        return norm.args[0]
+    source = _decomposed_rms(norm)
+    if source is None:
+        return None
+    centered = _centered_source(source)
+    return centered if centered is not None else source
+
+
+def find_projection(operand: Node, kinds: ValueKinds, role: str
+                    ) -> tuple[ProjectionOp, set, dict[Node, NormUnit]]:
+    """The unique projection feeding ``operand``, the nodes visited on the way back, and the
+    normalizations after the projection (QK-norm), keyed by their last node."""
     frontier: dict[Node, ProjectionOp] = {}
+    units: dict[Node, NormUnit] = {}
     visited, stack, sources = set(), [operand], []
     while stack:
         node = stack.pop()
@@ -88,13 +145,18 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str) -> tuple[Projec
         if found is not None:  # an ``add`` root stops the walk before the linear under it
             frontier[found.root] = found
             continue
+        unit = _norm_unit(node, kinds, len(units) + 1)
+        if unit is not None:   # jump over the normalization's internals
+            units[node] = unit
+            stack.append(unit.input)
+            continue
         inputs = [n for n in node.all_input_nodes if kinds.is_activation(n)]
         if node.op == "placeholder":
             sources.append(node)
         stack.extend(inputs)
     roots = frontier
     if len(roots) == 1:
-        return next(iter(roots.values())), visited
+        return next(iter(roots.values())), visited, units
     if not roots:
         where = f"graph input `{sources[0].name}`" if sources else "no parameterised projection"
         raise Unsupported(f"the {role} `{operand.name}` is not a projection of a normalized "
@@ -105,7 +167,10 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str) -> tuple[Projec
 
 def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role: str,
                   order: dict[Node, int]) -> OperandTrace:
-    projection, visited = find_projection(operand, kinds, role)
+    projection, visited, units = find_projection(operand, kinds, role)
+    jumps: dict[Node, list[Node]] = {}
+    for unit in units.values():
+        jumps.setdefault(unit.input, []).append(unit.end)
     on_path, stack = set(), [projection.root]
     while stack:  # forward from the root, staying inside the backward-visited set
         node = stack.pop()
@@ -113,14 +178,22 @@ def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role:
             continue
         on_path.add(node)
         stack.extend(u for u in node.users if u in visited)
+        stack.extend(jumps.get(node, ()))
     if operand not in on_path:
         raise Unsupported(f"`{operand.name}` is not reachable from `{projection.root.name}`")
     path = sorted(on_path, key=order.__getitem__)
-    env = replay(path, projection.root, checker)
+    env = replay(path, projection.root, checker,
+                 {u.end: (u.input, u.id) for u in units.values()})
     track = env[operand]
     if not isinstance(track, Track):
         raise Unsupported(f"the {role} `{operand.name}` is half of a rotary embedding")
-    return OperandTrace(projection, track)
+    src = bc.compact(track.src)
+    if not bool((src == src.reshape(-1)[0]).all()):
+        raise Unsupported(f"the {role} `{operand.name}` mixes normalized and unnormalized "
+                          "channels of its projection")
+    unit_id = int(src.reshape(-1)[0])
+    unit = next((u for u in units.values() if u.id == unit_id), None)
+    return OperandTrace(projection, track, unit)
 
 
 # --------------------------------------------------------------------------------------
@@ -185,9 +258,36 @@ def _decomposed_rms(node: Node) -> Optional[Node]:
     for a, r in pairs:
         if isinstance(a, Node) and isinstance(r, Node):
             source = _rms_denominator_source(r, invert)
-            if source is not None and source is _strip_casts(a):
+            if source is not None and same_value(source, _strip_casts(a)):
                 return source
     return None
+
+
+def same_value(a, b, depth: int = 4) -> bool:
+    """Whether two graph values are the same computation: one node, or the same op on the
+    same arguments (a hand-written LayerNorm computes ``x − mean(x)`` twice)."""
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+        return not isinstance(a, Node) and not isinstance(b, Node) and a == b
+    if (a.op, a.target) != (b.op, b.target) or len(a.args) != len(b.args) or \
+            a.kwargs != b.kwargs or a.op not in ("call_function", "call_method"):
+        return False
+    return all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
+
+
+def _centered_source(node: Node) -> Optional[Node]:
+    """``x`` if ``node`` is ``x − mean(x, -1, keepdim=True)`` (up to casts), else None."""
+    node = _strip_casts(node)
+    if op_of(node) != "sub" or not isinstance(node.args[1], Node):
+        return None
+    mean = _strip_casts(node.args[1])
+    if op_of(mean) != "mean" or not arg(mean, 2, "keepdim", False):
+        return None
+    x = node.args[0]
+    ndim = len(shape_of(x) or ())
+    return x if _is_last_dim(arg(mean, 1, "dim"), ndim) and same_value(
+        _strip_casts(mean.args[0]), _strip_casts(x)) else None
 
 
 def _per_channel(value, d: int, kinds: ValueKinds) -> bool:
@@ -228,8 +328,10 @@ def trace_normalized_input(x: Node, kinds: ValueKinds, projection: Node) -> Norm
             return NormalizedInput("layernorm", node, d, tuple(head + ops_after_norm[::-1]),
                                    radius_factor)
         if op in ("mul", "div") and _decomposed_rms(node) is not None:
-            return NormalizedInput("rmsnorm", node, d, tuple(ops_after_norm[::-1]),
-                                   radius_factor)
+            # RMS-normalizing a centered vector is a (hand-written) LayerNorm
+            kind = "layernorm" if _centered_source(_decomposed_rms(node)) is not None \
+                else "rmsnorm"
+            return NormalizedInput(kind, node, d, tuple(ops_after_norm[::-1]), radius_factor)
         node, radius_factor = _step_back(node, op, d, kinds, ops_after_norm, radius_factor,
                                          projection)
     raise Unsupported(f"no normalization found within 64 ops before `{projection.name}`")
@@ -250,8 +352,7 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
 
     if op in VALUE_CASTS:
         return node.args[0], radius_factor
-    if op in ("view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute",
-              "contiguous", "getitem", "expand"):
+    if op in _VIEWS:
         src = node.args[0]
         if not isinstance(src, Node) or (shape_of(src) or (0,))[-1] != d or \
                 not _keeps_last_dim(node, op):

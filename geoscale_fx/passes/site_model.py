@@ -68,6 +68,9 @@ class Source:
     width: int                       # d: the normalized vector's length
     channel_ops: tuple[tuple[str, object], ...] = ()
     radius_factor: float = 1.0
+    #: QK-norm sources (a normalization after the projection): where projection feature f
+    #: sits in its normalized row (the index of its per-channel gain); () before a projection
+    channel_index: tuple[int, ...] = ()
 
     @property
     def radius(self) -> float:
@@ -81,10 +84,13 @@ class Side:
 
     Per head ``h``: ``q_h = A_hᵀ x̂ + c_h`` where ``A_h = diag(gain) · W[:, features[h]]``
     (``W`` oriented (d, F)) and ``c_h = W[:, features[h]]ᵀ offset + bias[features[h]]``.
+    A side whose source is a normalization *after* the projection (QK-norm) has no weight
+    (``weight=None``): ``q_h = gain_h ⊙ x̂_h + offset_h`` on the head's own ``d_h`` channels,
+    i.e. ``A_h = diag(gain[features[h]])`` and ``‖x̂_h‖ ≤ ‖x̂‖ ≤ radius``.
     """
     source: Source
-    weight: str                      # node name of the weight (a parameter expression)
-    layout: str                      # "linear": weight (F, d); "dense": weight (d, F)
+    weight: Optional[str]            # node name of the weight (a parameter expression)
+    layout: str                      # "linear": weight (F, d); "dense": weight (d, F); "identity"
     features: tuple[tuple[int, ...], ...]   # channel map: (n_heads, d_h) output features
     bias: Optional[str] = None       # node name of a (F,) bias, or None
     rotary: Optional[Rotary] = None
@@ -107,12 +113,14 @@ class Side:
 
     @property
     def model_dim(self) -> int:
-        return self.source.width
+        """The width of the vector ``A_h`` maps (its rows)."""
+        return self.head_dim if self.weight is None else self.source.width
 
     @property
     def node_names(self) -> tuple[str, ...]:
         """Graph nodes whose values this side's weights are computed from."""
-        names = [self.weight] + ([self.bias] if self.bias is not None else [])
+        names = [self.weight] if self.weight is not None else []
+        names += [self.bias] if self.bias is not None else []
         names += [v for _, v in self.source.channel_ops if isinstance(v, str)]
         return tuple(names)
 

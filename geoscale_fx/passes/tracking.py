@@ -27,7 +27,7 @@ from geoscale_fx.passes.graph_ops import (
 )
 from geoscale_fx.passes.site_model import Rotary
 
-__all__ = ["Unsupported", "Track", "RotaryTerm", "replay"]
+__all__ = ["Unsupported", "Track", "RotaryTerm", "replay", "normalize"]
 
 
 class Unsupported(Exception):
@@ -41,6 +41,9 @@ class Track:
     tok: torch.Tensor    # int32: flat row (token) of P it comes from
     gain: torch.Tensor   # float32: product of scalar factors and signs since P
     rot: torch.Tensor    # float32: norm factor of a rotation applied (0 = none)
+    src: torch.Tensor    # int32: 0 = P itself, k = the k-th normalization after P (QK-norm)
+
+    FIELDS = ("feat", "tok", "gain", "rot", "src")
 
     @classmethod
     def root(cls, shape: tuple[int, ...]) -> "Track":
@@ -49,10 +52,17 @@ class Track:
         tok = torch.arange(n_rows, dtype=torch.int32).view(*shape[:-1], 1).expand(shape)
         gain = torch.ones((), dtype=torch.float32).expand(shape)
         rot = torch.zeros((), dtype=torch.float32).expand(shape)
-        return cls(feat, tok, gain, rot)
+        src = torch.zeros((), dtype=torch.int32).expand(shape)
+        return cls(feat, tok, gain, rot, src)
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f) for f in self.FIELDS)
 
     def map(self, fn: Callable[[torch.Tensor], Any]) -> "Track":
-        return Track(fn(self.feat), fn(self.tok), fn(self.gain), fn(self.rot))
+        return Track(*(fn(t) for t in self.fields()))
+
+    def with_(self, **changes) -> "Track":
+        return Track(**{f: changes.get(f, getattr(self, f)) for f in self.FIELDS})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -71,16 +81,58 @@ class RotaryTerm:
     table: Node
 
 
-def replay(path: list[Node], root: Node, resolver: "AngleChecker") -> dict[Node, Any]:
-    """Replay ``path`` (topologically ordered nodes between ``root`` and an operand)."""
+def replay(path: list[Node], root: Node, resolver: "AngleChecker",
+           units: dict[Node, tuple[Node, int]] | None = None) -> dict[Node, Any]:
+    """Replay ``path`` (topologically ordered nodes between ``root`` and an operand).
+
+    ``units`` maps the last node of a normalization chain after the projection (QK-norm:
+    the norm and its per-channel gains) to ``(the norm's input, unit id)``; the chain is
+    replayed as one op (:func:`normalize`), its inner nodes are not on ``path``.
+    """
     shape = shape_of(root)
     if shape is None:
         raise Unsupported(f"projection `{root.name}` has no recorded shape")
     env: dict[Node, Any] = {root: Track.root(shape)}
+    units = units or {}
     for node in path:
-        if node is not root:
+        if node is root:
+            continue
+        if node in units:
+            source, unit = units[node]
+            env[node] = normalize(node, env[source], unit, resolver)
+        else:
             env[node] = _replay_node(node, env, resolver)
     return env
+
+
+def normalize(node: Node, value: Any, unit: int, checker: "AngleChecker") -> Track:
+    """A normalization over the last dim (and its per-channel gains) applied to a track.
+
+    Each last-dim row must be one token's vector; its elements keep their feature index, so
+    the output is ``x̂`` indexed by projection feature, with ``‖row‖ ≤ √width``. Scalar gains
+    and rotations before the norm do not survive it. Records where each feature sits in its
+    row (the index of its per-channel gain).
+    """
+    if not isinstance(value, Track):
+        raise Unsupported(f"`{node.name}` normalizes half of a rotary embedding")
+    tok = bc.compact(value.tok)
+    if not bool((tok == tok[..., :1]).all()):
+        raise Unsupported(f"`{node.name}` normalizes across tokens")
+    width = value.shape[-1]
+    feat = bc.compact(value.feat)
+    rows = feat.expand(*feat.shape[:-1], width).reshape(-1, width)
+    position: dict[int, int] = {}
+    for row in rows.tolist():
+        if len(set(row)) != len(row):
+            raise Unsupported(f"`{node.name}` normalizes a row holding a feature twice")
+        for j, f in enumerate(row):
+            if position.setdefault(f, j) != j:
+                raise Unsupported(f"`{node.name}`: feature {f} sits at different positions "
+                                  "of the normalized rows")
+    checker.record_norm(unit, width, position)
+    return value.with_(gain=torch.ones((), dtype=torch.float32).expand(value.shape),
+                       rot=torch.zeros((), dtype=torch.float32).expand(value.shape),
+                       src=torch.full((), unit, dtype=torch.int32).expand(value.shape))
 
 
 # --------------------------------------------------------------------------------------
@@ -137,7 +189,7 @@ def _apply(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
             call[position] = t
             return node.target(*call, **kwargs)
     track = env[tracked]
-    parts = [fn(t) for t in (track.feat, track.tok, track.gain, track.rot)]
+    parts = [fn(t) for t in track.fields()]
     if isinstance(parts[0], (tuple, list)):  # split / chunk / unbind
         return tuple(Track(*p) for p in zip(*parts))
     return Track(*parts)
@@ -157,6 +209,8 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: "AngleChecker") -> A
         return _replay_concat(node, env, op)
     if op == "add":
         return _replay_add(node, env, checker)
+    if op in VALUE_CASTS and isinstance(node.args[0], Node) and node.args[0] in env:
+        return env[node.args[0]]   # ``x.type_as(y)``: y (even if tracked) only lends a dtype
     tracked = _single_tracked(node, env)
     value = env[tracked]
     if isinstance(value, RotaryTerm):
@@ -174,7 +228,7 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: "AngleChecker") -> A
             return value
         raise Unsupported(f"`{node.name}`: dropout (training) applied to queries/keys")
     if op == "neg":
-        return Track(value.feat, value.tok, bc.elementwise(torch.neg, value.gain), value.rot)
+        return value.with_(gain=bc.elementwise(torch.neg, value.gain))
     if op in ("mul", "div"):
         return _replay_scale(node, tracked, env, op)
     if op in DATA_MOVEMENT:
@@ -202,7 +256,7 @@ def _replay_concat(node: Node, env: dict[Node, Any], op: str) -> Track:
     if op == "cat" and len(parts) == 1:
         return parts[0]
     return Track(*(bc.concat([getattr(p, f) for p in parts], dim, stack=op == "stack")
-                   for f in ("feat", "tok", "gain", "rot")))
+                   for f in Track.FIELDS))
 
 
 def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
@@ -215,8 +269,7 @@ def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> A
     if value is not None:
         factor = 1.0 / value if op == "div" else value
         track = env[tracked]
-        return Track(track.feat, track.tok,
-                     bc.elementwise(lambda g: g * factor, track.gain), track.rot)
+        return track.with_(gain=bc.elementwise(lambda g: g * factor, track.gain))
     if op == "mul" and isinstance(other, Node):
         trig = _trig_origin(other)
         if trig is not None:
@@ -310,7 +363,7 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
                           signs=tuple(float(v) for v in sign[0].tolist())))
     # a rotation of an already rotated value: the gains multiply
     rot = bc.elementwise(lambda r: torch.where(r > 0, r, 1.0) * factor, a.rot)
-    return Track(a.feat, a.tok, a.gain, rot)
+    return a.with_(rot=rot)
 
 
 class AngleChecker:
@@ -324,9 +377,13 @@ class AngleChecker:
     def __init__(self, evaluate: Callable[[Node], torch.Tensor | None]):
         self._evaluate = evaluate
         self.rotaries: list[Rotary] = []
+        self.norms: dict[int, tuple[int, dict[int, int]]] = {}   # unit → (width, positions)
 
     def record(self, rotary: Rotary) -> None:
         self.rotaries.append(rotary)
+
+    def record_norm(self, unit: int, width: int, positions: dict[int, int]) -> None:
+        self.norms[unit] = (width, positions)
 
     def paired(self, angles: Node, pairing: list[int]) -> bool:
         width = len(pairing)

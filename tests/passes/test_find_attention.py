@@ -249,46 +249,11 @@ def test_bound_holds_on_variants(name):
     assert len(_all_bounds_hold(found, 4)) == 1
 
 
-def _scale_up_gains_and_biases(model, factor=4.0):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name or "norm" in name or "LayerNorm" in name or (
-                    name.endswith("bias") and any(t in name for t in ("c_attn", "query", "key",
-                                                                      "q_proj", "k_proj"))):
-                p.mul_(factor).add_(0.5 * torch.randn_like(p))
-
-
-def _adversarial(model, key_embeds, steps=25, batch=2, seq=12, d=64):
-    """Gradient ascent on inputs_embeds to maximize every site's max|S| / bound."""
-    graphs = capture_graphs(model, inputs_embeds=torch.randn(batch, seq, d))
-    graph = graphs[0]
-    sites = analyze_graph(graph.gm, graph.example_inputs)
-    bounds = [s.logit_bound() for s in sites]
-    pos = [i for i, n in enumerate(graph.gm.graph.nodes) if n.op == "placeholder"
-           and "inputs_embeds" in n.name]
-    embeds = torch.randn(batch, seq, d, requires_grad=True)
-    opt = torch.optim.Adam([embeds], lr=0.1)
-    best = torch.zeros(len(sites), dtype=torch.float64)
-    best_logit = torch.zeros(len(sites), dtype=torch.float64)
-    for _ in range(steps):
-        inputs = list(graph.example_inputs)
-        inputs[pos[0]] = embeds
-        values = checks.record(graph.gm, inputs)
-        observed = [checks.observed_logits(graph.gm, values, s, batch) for s in sites]
-        ratios = torch.stack([(o / b).max() for o, b in zip(observed, bounds)])
-        best = torch.maximum(best, ratios.detach())
-        best_logit = torch.maximum(best_logit, torch.stack([o.max() for o in observed]).detach())
-        opt.zero_grad()
-        (-ratios.sum()).backward()
-        opt.step()
-    return sites, best, best_logit
-
-
 @pytest.mark.parametrize("key", ["gpt2-sdpa", "llama-sdpa"])
 def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(key, capsys):
     model = build_hf(key)
-    _scale_up_gains_and_biases(model)
-    sites, worst, logits = _adversarial(model, key)
+    checks.scale_up_gains_and_biases(model)
+    sites, worst, logits = checks.adversarial(model)
     assert (worst <= 1 + 1e-6).all(), worst
     assert worst.max() > 0.05, "the optimizer should find sizeable logits"
     # the paper's B_max on the raw weights (no gain, no bias) is broken by the same inputs

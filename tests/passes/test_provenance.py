@@ -41,7 +41,7 @@ class Captured:
         return list(output.args[0])
 
     def normalized(self, operand: Node | None = None) -> NormalizedInput:
-        projection, _ = find_projection(operand or self.operands[0], self.kinds, "query")
+        projection, _, _ = find_projection(operand or self.operands[0], self.kinds, "query")
         return trace_normalized_input(projection.x, self.kinds, projection.root)
 
     def track(self, operand: Node):
@@ -353,7 +353,8 @@ def test_find_projection_recognises_each_spelling(projections, index, layout, we
     """linear, linear + written-out bias, x @ W and addmm are projections with their layout,
     weight and bias; the root is the node whose output features are indexed."""
     operand = projections.operands[index]
-    projection, visited = find_projection(operand, projections.kinds, "query")
+    projection, visited, units = find_projection(operand, projections.kinds, "query")
+    assert units == {}                       # no normalization after the projection
     assert op_of(projection.root) == root_op
     assert projection.layout == layout
     assert parameter_name(projection.weight) == weight
