@@ -191,16 +191,24 @@ def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
 # The site: sum of terms, then modifiers
 # --------------------------------------------------------------------------------------
 
-def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier]) -> torch.Tensor:
-    """Push a bound on ``|Σ_t S_t|`` through the ops before the softmax.
+def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
+                    resolve: Optional[Resolve] = None) -> torch.Tensor:
+    """Push a bound on ``|Σ_t S_t|`` through the ops before the softmax (graph order).
 
-    A mask only removes or lowers entries (``-inf`` / negative additive masks are applied
-    after the quantization), so it leaves the bound as is. Softcapping
-    ``c·tanh(S/c)`` is odd and increasing with ``|c·tanh(S/c)| ≤ min(|S|, c)``.
+    * mask, position bias: applied after the quantization, so they leave the bound as is —
+      unless a softcap follows, which then sees ``S + bias`` (unbounded) and caps it;
+    * softcap ``c·tanh(S/c)``: odd and increasing, ``|c·tanh(S/c)| ≤ min(|S|, c)``;
+    * sink: the softmax also receives the sink logits: ``max(bound, max|sink|)``.
     """
-    for modifier in modifiers:
-        if modifier.kind == "softcap":
+    kinds = [m.kind for m in modifiers]
+    for i, modifier in enumerate(modifiers):
+        if modifier.kind in ("mask", "position_bias") and "softcap" in kinds[i + 1:]:
+            bound = torch.full_like(bound, float("inf"))
+        elif modifier.kind == "softcap":
             bound = torch.clamp(bound, max=abs(modifier.value))
+        elif modifier.kind == "sink":
+            sink = resolve(modifier.param).detach().abs().amax().to(bound.dtype)
+            bound = torch.maximum(bound, sink.to(bound.device))
     return bound
 
 
@@ -210,4 +218,4 @@ def site_logit_bound(site: AttentionSite, term_weights: Sequence[HeadWeights],
     rope_bound = rope_bound or site.rope_bound
     total = sum(term_logit_bound(site, term, hw, rope_bound)
                 for term, hw in zip(site.terms, term_weights))
-    return apply_modifiers(total, site.modifiers)
+    return apply_modifiers(total, site.modifiers, site._resolve)

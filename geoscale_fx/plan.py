@@ -111,8 +111,6 @@ def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
     if site.kind in ("mha", "encoder_layer"):
         return Skip(site, f"{site.kind}: an opaque fused op ({site.node}); analysed, "
                           "not rewritten")
-    if site.kind == "explicit" and site.score_op == "baddbmm":
-        return Skip(site, "scores come from baddbmm, which adds the mask before the scale")
     n_scale = _n_scale(site, options)
     policy = make_policy(site, options, n_scale, ctx.n_heads_total)
     if site.kind == "explicit":

@@ -14,7 +14,7 @@ from torch.fx import Interpreter
 
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.graph_ops import arg, op_of
+from geoscale_fx.passes.graph_ops import arg, matmul_operands, op_of
 
 
 class Recorder(Interpreter):
@@ -72,7 +72,7 @@ def operands(gm, site):
     if op_of(scores) == "einsum":
         return scores.args[1], scores.args[2], False
     if op_of(scores) == "baddbmm":
-        return scores.args[1], scores.args[2], True
+        return (*matmul_operands(scores), True)
     return scores.args[0], scores.args[1], True
 
 

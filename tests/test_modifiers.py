@@ -116,3 +116,159 @@ def test_gemma2_softcapping_is_found_and_rewritten():
         torch.testing.assert_close(none(input_ids=ids).logits, model(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
     assert counters["geoscale"]["modifier_softcap"] == 2
+
+
+# --------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): softmax over cat([S, sink]) minus its max, sink column dropped
+# --------------------------------------------------------------------------------------
+
+class Sinks(torch.nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm, self.qkv = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d)
+        self.sinks = torch.nn.Parameter(torch.tensor([0.5, -2.0, 30.0, 1.0]))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4)                                                   # (B, H, L, d_h)
+        scores = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        return probs @ v
+
+
+def test_sinks_are_found_and_the_bound_covers_them():
+    model = Sinks()
+    site, = geoscale_fx.find_attention(model, torch.randn(2, 6, 32))
+    assert site.supported, site.reason
+    assert [m.kind for m in site.modifiers] == ["mask", "sink", "mask"]
+    from geoscale_fx import heads
+
+    raw = sum(heads.term_logit_bound(site, t, hw, "norm_product")
+              for t, hw in zip(site.terms, site.term_weights()))
+    torch.testing.assert_close(site.logit_bound(), torch.clamp(raw, min=30.0))
+
+
+def test_sink_site_scaling_none_equals_eager_and_geometry_never_overflows():
+    model = Sinks()
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        none = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
+        torch.testing.assert_close(none(x), model(x), rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        counters.clear()
+        fp8 = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
+        fp8(x)
+    record, = fp8.geoscale.records.values()
+    assert counters["geoscale"]["modifier_sink"] == 1
+    assert record.state.overflow_steps.item() == 0
+    assert float(record.state.bound.min()) >= 30.0         # the largest sink
+
+
+# --------------------------------------------------------------------------------------
+# ALiBi through baddbmm(bias, q, kᵀ, β, α): split, q·kᵀ quantized, the bias added after
+# --------------------------------------------------------------------------------------
+
+class Alibi(torch.nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4, slope_scale: float = 1.0,
+                 beta: float = 1.0):
+        super().__init__()
+        self.heads, self.slope_scale, self.beta = heads, slope_scale, beta
+        self.norm, self.qkv = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d)
+
+    def bias(self, b, n):
+        slopes = self.slope_scale * torch.tensor([2.0 ** -(i + 1) for i in range(self.heads)])
+        return (slopes[:, None, None] * torch.arange(n)[None, None, :]).repeat(b, n, 1)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4).reshape(3, b * self.heads, n, d // self.heads)   # (B·H, L, d_h)
+        scores = torch.baddbmm(self.bias(b, n), q, k.transpose(1, 2), beta=self.beta,
+                               alpha=(d // self.heads) ** -0.5)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        return torch.bmm(torch.softmax(scores.masked_fill(~causal, float("-inf")), -1), v)
+
+
+def test_alibi_baddbmm_is_a_position_bias_and_is_rewritten():
+    model = Alibi(slope_scale=50.0, beta=0.5)
+    x = torch.randn(2, 6, 32)
+    site, = geoscale_fx.find_attention(model, x)
+    assert site.supported and site.score_op == "baddbmm"
+    assert site.modifiers[0].kind == "position_bias" and site.modifiers[0].value == 0.5
+    with torch.no_grad():
+        none = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
+        torch.testing.assert_close(none(x), model(x), rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        counters.clear()
+        fp8 = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
+        out = fp8(x)
+    record, = fp8.geoscale.records.values()
+    assert counters["geoscale"]["rewrite_inplace"] == 1
+    assert counters["geoscale"]["modifier_position_bias"] == 1
+    # the quantized tensor is s·q·kᵀ alone: its max is within the bound although the
+    # biased scores (slopes ×50) are far larger
+    assert record.state.overflow_steps.item() == 0
+    assert float(record.state.amax.max()) <= float(record.state.bound.max()) * (1 + 1e-6)
+    assert float(model.bias(2, 6).abs().max()) * 0.5 > 5 * float(record.state.bound.max())
+    torch.testing.assert_close(out, _alibi_reference(model, x, record.state.scale),
+                               rtol=1e-4, atol=1e-4)
+
+
+def _alibi_reference(model: Alibi, x, scale):
+    """β·bias + Q(s·q·kᵀ / scale_h)·scale_h, then mask, softmax, @ v (independent)."""
+    b, n, d = x.shape
+    with torch.no_grad():
+        q, k, v = model.qkv(model.norm(x)).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2)) * 8 ** -0.5                           # (B, H, L, L)
+        d_h = scale.view(1, 4, 1, 1)
+        s = (s / d_h).clamp(-448, 448).to(torch.float8_e4m3fn).float() * d_h
+        s = s + model.beta * model.bias(b, n).view(b, 4, n, n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        return (torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v).reshape(
+            b * 4, n, 8)
+
+
+# --------------------------------------------------------------------------------------
+# No silent misses
+# --------------------------------------------------------------------------------------
+
+class SoftmaxOverQueries(torch.nn.Module):
+    """Attention-like, but the softmax runs over the query axis: not the normal form."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.norm, self.qkv = torch.nn.LayerNorm(d), torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-2) @ v
+
+
+def test_a_softmax_over_qk_outside_the_normal_form_is_reported_by_report():
+    model = SoftmaxOverQueries()
+    site, = geoscale_fx.find_attention(model, torch.randn(2, 5, 32))
+    assert not site.supported and "product of two activations" in site.reason
+    compiled = torch.compile(model, backend=geoscale_fx.backend(compiler="aot_eager"))
+    with torch.no_grad():
+        compiled(torch.randn(2, 5, 32))
+    skipped = geoscale_fx.report(compiled).skipped
+    assert len(skipped) == 1 and "not over the last dim" in skipped[0]["reason"]
+
+
+def test_a_router_softmax_over_a_projection_is_not_attention():
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(16, 4)
+
+        def forward(self, h):
+            return torch.softmax(self.gate(h), dim=-1)
+
+    assert geoscale_fx.find_attention(Router(), torch.randn(2, 5, 16)) == []

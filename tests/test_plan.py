@@ -59,11 +59,10 @@ def test_opaque_fused_ops_are_analysed_but_skipped(kind):
     assert "opaque" in result.reason and kind in result.reason and "mha_op" in result.reason
 
 
-def test_explicit_site_with_baddbmm_scores_is_skipped():
-    """baddbmm adds the mask before the scale: not rewritten."""
+def test_explicit_site_with_baddbmm_scores_is_rewritten_in_place():
+    """baddbmm's bias is a position bias: the rewrite splits the op and quantizes q·kᵀ."""
     result = _plan(_site(kind="explicit", node="softmax", score_op="baddbmm"))
-    assert isinstance(result, Skip)
-    assert "baddbmm" in result.reason
+    assert not isinstance(result, Skip) and result.lowering == "inplace"
 
 
 # --------------------------------------------------------------------------------------

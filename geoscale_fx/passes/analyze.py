@@ -55,6 +55,8 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
                     nodes=tuple((role, n.name) for role, n in cand.roles.items()),
                     score_op=op_of(cand.roles["scores"]) if "scores" in cand.roles else "")
         try:
+            if cand.failure:
+                raise Unsupported(cand.failure)
             fields = _ANALYZERS[cand.kind](cand, kinds, evaluator, order)
             site = AttentionSite(**base, supported=True, _resolve=resolve, **fields)
         except Unsupported as exc:
@@ -176,8 +178,9 @@ def _fields(cand, q_side: Side, k_side: Side, gain, q_len, kv_len, head_of_row) 
         softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
         has_mask=cand.has_mask, dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len,
         terms=(Term(q_side, k_side),),
-        modifiers=tuple(Modifier(kind, node.name, value) for kind, node, value
-                        in cand.modifiers),
+        modifiers=tuple(Modifier(kind, node.name, value,
+                                 param=node.name if kind == "sink" else None)
+                        for kind, node, value in cand.modifiers),
         score_heads=score_heads, score_lead=score_lead)
 
 

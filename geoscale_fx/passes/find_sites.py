@@ -25,7 +25,8 @@ from typing import Optional
 from torch.fx import Graph, Node
 
 from geoscale_fx.passes.graph_ops import (
-    VALUE_CASTS, ValueKinds, arg, op_of, scalar_constant, shape_of, static_bool,
+    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, baddbmm_args, matmul_operands, op_of,
+    scalar_constant, shape_of, static_bool,
 )
 
 __all__ = ["Candidate", "find_candidates"]
@@ -49,6 +50,7 @@ class Candidate:
     gqa: bool = False
     roles: dict = field(default_factory=dict)
     modifiers: list = field(default_factory=list)   # (kind, node, value), in graph order
+    failure: str = ""                   # why a softmax over QKᵀ is not in the normal form
 
 
 def find_candidates(graph: Graph, kinds: ValueKinds) -> list[Candidate]:
@@ -91,20 +93,64 @@ def _softmax_dim_is_last(node: Node) -> bool:
 
 
 def _explicit(softmax: Node, kinds: ValueKinds) -> Optional[Candidate]:
-    if not _softmax_dim_is_last(softmax):
-        return None
+    """The explicit normal form from a softmax; a softmax over a product of two activations
+    that does not fit it is a candidate too, with ``failure`` saying why (never silent)."""
+    product = _product_of_activations(softmax.args[0], kinds)
+    if product is None:
+        return None          # not attention: no QKᵀ behind this softmax
     cand = Candidate("explicit", softmax)
+    if not _softmax_dim_is_last(softmax):
+        return _failed(cand, product, "the softmax is not over the last dim of the scores")
     scores = _walk_scores(softmax.args[0], kinds, cand, depth=0)
     if scores is None:
-        return None
+        blocker = cand.roles.get("blocker")
+        where = f" through `{blocker.name}` ({op_of(blocker) or blocker.target})" if blocker \
+            else ""
+        return _failed(cand, product, f"the softmax reads it{where}, which is not a scalar "
+                                      "scale, mask, position bias, softcap or sink")
     pv = _product_with_values(softmax, cand)
     if pv is None:
-        return None
+        return _failed(cand, product, "its probabilities never multiply values")
     if not _set_operands(scores, cand):
-        return None
+        return _failed(cand, product, f"the einsum `{scores.args[0]}` is not q·kᵀ")
+    cand.roles.pop("blocker", None)
     cand.roles.update({"scores": scores, "softmax": softmax, "pv": pv})
     cand.roles.setdefault("logits", scores)
     return cand
+
+
+def _failed(cand: Candidate, product: Node, why: str) -> Candidate:
+    cand.roles = {"softmax": cand.node, "scores": product}
+    cand.failure = (f"`{cand.node.name}` is a softmax over `{product.name}`, a product of two "
+                    f"activations, but {why}; left in high precision")
+    return cand
+
+
+#: where the search for a QKᵀ behind a softmax stops: projections, normalizations and whole
+#: attentions start a new computation (a router's softmax over linear(x) is not attention)
+_BARRIERS = frozenset({"linear", "addmm", "layer_norm", "rms_norm", "sdpa", "mha",
+                       "encoder_layer"})
+
+
+def _product_of_activations(node, kinds: ValueKinds, depth: int = 12) -> Optional[Node]:
+    """The nearest matmul/bmm/baddbmm/einsum of two activations behind ``node`` (through
+    elementwise and data-movement ops only), or None."""
+    stack, seen = [(node, 0)], set()
+    while stack:
+        node, d = stack.pop()
+        if not isinstance(node, Node) or node in seen or d > depth:
+            continue
+        seen.add(node)
+        op = op_of(node)
+        if op in _MATMULS:
+            operands = matmul_operands(node)
+            if sum(isinstance(a, Node) and kinds.is_activation(a) for a in operands) == 2:
+                return node
+            continue      # a product with a weight: a projection
+        if op in _BARRIERS or node.op == "call_module":
+            continue
+        stack.extend((n, d + 1) for n in node.all_input_nodes if kinds.is_activation(n))
+    return None
 
 
 def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Optional[Node]:
@@ -113,17 +159,19 @@ def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Option
         return None
     op = op_of(node)
     if op in _MATMULS:
-        operands = node.args[1:3] if op == "baddbmm" else node.args[-2:] if op == "einsum" \
-            else node.args[:2]
+        operands = matmul_operands(node)
         if op == "einsum" and (len(node.args) != 3 or not isinstance(node.args[0], str)):
             return None
         if all(isinstance(a, Node) and kinds.is_activation(a) for a in operands):
-            if op == "baddbmm":
-                cand.scale *= float(node.kwargs.get("alpha", 1.0))
+            if op == "baddbmm":   # β·bias + α·QKᵀ: the bias is an additive position bias
+                _, _, _, beta, alpha = baddbmm_args(node)
+                cand.scale *= alpha
                 cand.has_mask = True
+                cand.modifiers.insert(0, ("position_bias", node, beta))
             return node
+        cand.roles.setdefault("blocker", node)
         return None
-    if op in VALUE_CASTS:
+    if op in VALUE_CASTS or _keeps_score_dims(node):
         return _walk_scores(node.args[0], kinds, cand, depth + 1)
     softcap = _softcap(node)
     if softcap is not None:
@@ -142,8 +190,55 @@ def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Option
         return _through_mask(node, node.args[:1], kinds, cand, depth)
     if op == "masked_fill":
         return _through_mask(node, node.args[:1], kinds, cand, depth)
+    if op == "cat":
+        return _through_sink(node, kinds, cand, depth)
     if op == "where":
         return _through_mask(node, node.args[1:3], kinds, cand, depth)
+    cand.roles.setdefault("blocker", node)
+    return None
+
+
+def _keeps_score_dims(node: Node) -> bool:
+    """A view/reshape that only regroups the leading (batch, head) dims of the scores."""
+    if op_of(node) not in ("view", "reshape") or not isinstance(node.args[0], Node):
+        return False
+    before, after = shape_of(node.args[0]), shape_of(node)
+    return before is not None and after is not None and len(before) >= 2 and \
+        len(after) >= 2 and tuple(before[-2:]) == tuple(after[-2:])
+
+
+def _through_sink(node: Node, kinds: ValueKinds, cand: Candidate, depth: int
+                  ) -> Optional[Node]:
+    """Attention sinks: ``cat([S, sink], -1)`` with a parameter-only ``sink`` column."""
+    parts, dim = arg(node, 0, "tensors"), arg(node, 1, "dim", 0)
+    if dim not in (-1, len(shape_of(node) or ()) - 1) or len(parts) != 2:
+        return None
+    scores, sink = parts
+    if not (isinstance(sink, Node) and kinds.is_param(sink)):
+        return None
+    sink = _value_source(sink)     # the sinks parameter itself (max|·| is unchanged by views)
+    if sink is None:
+        return None
+    trial = Candidate("explicit", cand.node, scale=cand.scale)
+    found = _walk_scores(scores, kinds, trial, depth + 1)
+    if found is None:
+        return None
+    cand.scale, cand.has_mask = trial.scale, cand.has_mask or trial.has_mask
+    cand.modifiers[:0] = trial.modifiers + [("sink", sink, float("nan"))]
+    cand.roles.update(trial.roles)
+    return found
+
+
+def _value_source(node: Node) -> Optional[Node]:
+    """The placeholder behind ``node`` through views and casts only (same values), or None."""
+    for _ in range(16):
+        if node.op == "placeholder":
+            return node
+        if op_of(node) not in DATA_MOVEMENT and op_of(node) not in VALUE_CASTS:
+            return None
+        node = node.args[0] if isinstance(node.args[0], Node) else None
+        if node is None:
+            return None
     return None
 
 
@@ -185,6 +280,8 @@ def _through_mask(node: Node, operands, kinds: ValueKinds, cand: Candidate, dept
     for x in operands:
         trial = Candidate("explicit", cand.node, scale=cand.scale)
         found = _walk_scores(x, kinds, trial, depth + 1)
+        if found is None and "blocker" in trial.roles:
+            cand.roles.setdefault("blocker", trial.roles["blocker"])
         if found is not None:
             cand.scale, cand.has_mask = trial.scale, True
             cand.modifiers[:0] = trial.modifiers + [("mask", node, float("nan"))]
@@ -205,8 +302,8 @@ def _product_with_values(softmax: Node, cand: Candidate) -> Optional[Node]:
                     return user
                 if op == "einsum" and len(user.args) == 3 and user.args[1] is node:
                     return user
-                if op in VALUE_CASTS:
-                    nxt.append(user)
+                if op in VALUE_CASTS or op == "getitem" or _keeps_score_dims(user):
+                    nxt.append(user)          # casts, a sink column sliced off, (B·H) views
                 elif op == "dropout":
                     cand.dropout_p = float(arg(user, 1, "p", 0.5)) if arg(
                         user, 2, "training", True) else 0.0
@@ -221,7 +318,8 @@ def _set_operands(scores: Node, cand: Candidate) -> bool:
         cand.query, cand.key, cand.key_layout = scores.args[0], scores.args[1], "dk"
         return True
     if op == "baddbmm":
-        cand.query, cand.key, cand.key_layout = scores.args[1], scores.args[2], "dk"
+        cand.query, cand.key = matmul_operands(scores)
+        cand.key_layout = "dk"
         return True
     equation = scores.args[0].replace(" ", "")
     if "..." in equation or "->" not in equation:

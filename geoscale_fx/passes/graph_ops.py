@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 __all__ = [
-    "op_of", "arg", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
+    "op_of", "arg", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
     "ValueKinds", "module_path", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
 ]
 
@@ -64,6 +64,7 @@ _METHODS: dict[str, str] = {
     "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub",
     "neg": "neg", "__neg__": "neg",
     "softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm",
+    "baddbmm": "baddbmm",
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
     "pow": "pow", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
 }
@@ -89,6 +90,23 @@ def op_of(node: Node) -> str | None:
     if node.op == "call_method":
         return _METHODS.get(node.target)
     return None
+
+
+def baddbmm_args(node: Node) -> tuple[Any, Any, Any, float, float]:
+    """``(bias, batch1, batch2, beta, alpha)`` of ``torch.baddbmm`` or ``bias.baddbmm``."""
+    bias = arg(node, 0, "input")
+    b1, b2 = arg(node, 1, "batch1"), arg(node, 2, "batch2")
+    return bias, b1, b2, float(arg(node, 3, "beta", 1.0)), float(arg(node, 4, "alpha", 1.0))
+
+
+def matmul_operands(node: Node) -> tuple[Any, Any]:
+    """The two multiplied operands of a matmul/bmm/baddbmm/einsum node."""
+    op = op_of(node)
+    if op == "baddbmm":
+        return baddbmm_args(node)[1:3]
+    if op == "einsum":
+        return tuple(node.args[-2:])
+    return tuple(node.args[:2])
 
 
 def arg(node: Node, index: int, name: str, default: Any = None) -> Any:

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from geoscale_fx import scaling
 from geoscale_fx.attention import explicit_attention, fused_attention
 from geoscale_fx.fp8 import fake_quantize_logits
-from geoscale_fx.passes.graph_ops import arg, scalar_constant, static_bool
+from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
 from geoscale_fx.plan import SitePlan
 
 __all__ = ["make_program", "rewrite", "sdpa_call_options"]
@@ -136,9 +136,26 @@ def _replace_inplace(graph, by_name, plan: SitePlan, names, weights, nodes) -> N
     target = by_name[site.node_name("logits") or site.node_name("scores")]
     unit = site.score_scale if target.name == site.node_name("scores") else 1.0
     program = make_program(plan, names, unit=unit)
+    if site.score_op == "baddbmm" and target.name == site.node_name("scores"):
+        _split_baddbmm(graph, target, program, weights, nodes)
+        return
     with graph.inserting_after(target):
         new = graph.call_function(program, (target, *weights, *nodes))
     target.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+
+
+def _split_baddbmm(graph, node: Node, program, weights, nodes) -> None:
+    """``baddbmm(bias, q, k, β, α) = β·bias + α·(q @ k)``: quantize the product only; the
+    additive position bias (ALiBi) joins after the quantization, like a mask."""
+    bias, q, k, beta, alpha = baddbmm_args(node)
+    with graph.inserting_before(node):
+        product = graph.call_function(torch.bmm, (q, k))
+        quantized = graph.call_function(program, (product, *weights, *nodes))
+        if beta != 1.0:
+            bias = graph.call_function(torch.mul, (bias, beta))
+        new = graph.call_function(torch.add, (bias, quantized), {"alpha": alpha})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
 
 
 def _replace_sdpa(graph, by_name, plan: SitePlan, names, weights, nodes) -> None:

@@ -32,9 +32,12 @@ __all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "Atten
 ROPE_BOUNDS = ("norm_product", "relative", "interaction")
 
 #: What may happen to the summed logits before the softmax (in graph order):
-#: "mask" (additive / boolean / causal: never widens the range that is quantized),
-#: "softcap" (``c · tanh(S / c)``: the softmax input is bounded by ``c``).
-MODIFIER_KINDS = ("mask", "softcap")
+#: "mask" (additive / boolean / causal) and "position_bias" (an additive bias such as ALiBi,
+#: ``baddbmm``'s β·bias) are applied after the quantization and never widen its range
+#: (before a softcap they make the capped value's bound just ``c``);
+#: "softcap" (``c · tanh(S / c)``: the softmax input is bounded by ``c``);
+#: "sink" (a learned per-head logit joined to the scores: the bound covers ``|sink|``).
+MODIFIER_KINDS = ("mask", "position_bias", "softcap", "sink")
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ class Modifier:
     """An op between the summed logits and the softmax (``MODIFIER_KINDS``)."""
     kind: str
     node: str
-    value: float = float("nan")      # softcap: c
+    value: float = float("nan")      # softcap: c; position_bias: β
+    param: Optional[str] = None      # sink: the node holding the sink logits (parameters)
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,8 @@ class AttentionSite:
     @property
     def weight_nodes(self) -> tuple[str, ...]:
         """Every graph node the bound reads (weights, biases, gains), in a stable order."""
-        return tuple(dict.fromkeys(n for t in self.terms for n in t.node_names))
+        terms = [n for t in self.terms for n in t.node_names]
+        return tuple(dict.fromkeys(terms + [m.param for m in self.modifiers if m.param]))
 
     def modifier(self, kind: str) -> Optional[Modifier]:
         return next((m for m in self.modifiers if m.kind == kind), None)

@@ -223,12 +223,16 @@ NOT_ATTENTION = {
 
 
 @pytest.mark.parametrize("name", sorted(NOT_ATTENTION))
-def test_softmax_that_is_not_attention_is_not_found(name):
+def test_softmax_over_qk_outside_the_normal_form_is_reported_not_silent(name):
     """Softmax over a non-last dim, unused probabilities, probabilities as the right operand,
-    or a nonlinearity on the scores: no candidate, though the graph has a softmax."""
+    or a nonlinearity on the scores: not the normal form, but a softmax over a product of two
+    activations, so it is a candidate whose ``failure`` names the softmax and the product."""
     cands, nodes = _candidates(NOT_ATTENTION[name], *_inputs())
     assert any(op_of(n) == "softmax" for n in nodes)
-    assert cands == []
+    cand, = cands
+    assert cand.kind == "explicit" and op_of(cand.node) == "softmax"
+    assert cand.failure.startswith(f"`{cand.node.name}` is a softmax over `")
+    assert "product of two activations" in cand.failure
 
 
 def test_softmax_classifier_with_parameter_weights_is_not_found():
@@ -267,8 +271,10 @@ def test_mixed_graph_has_exactly_the_two_attentions_in_order():
     yields exactly two candidates, in graph order."""
     cands, nodes = _candidates(Mixed(), torch.randn(B, L, D))
     assert sum(op_of(n) == "softmax" for n in nodes) == 4
-    assert [c.kind for c in cands] == ["sdpa", "explicit"]
-    sdpa, explicit = cands
+    # the non-last-dim softmax over q·kᵀ is reported (failure set), the classifier is not
+    assert [(c.kind, bool(c.failure)) for c in cands] == [("sdpa", False), ("explicit", False),
+                                                          ("explicit", True)]
+    sdpa, explicit, _ = cands
     assert sdpa.is_causal and not sdpa.has_mask
     assert explicit.scale == pytest.approx(S) and explicit.key_layout == "dk"
     assert nodes.index(sdpa.node) < nodes.index(explicit.node)

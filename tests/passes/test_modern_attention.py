@@ -1,6 +1,6 @@
 """Today's attention forms, on Hugging Face configs and hand-written modules: QK-norm (per
 head, over the whole projection, LayerNorm with bias, Gemma's ``1 + w``), softcapping, a
-hand-written LayerNorm before the projection. Every site is found, supported and certified;
+hand-written LayerNorm before the projection, ALiBi as a ``baddbmm`` position bias. Every site is found, supported and certified;
 the bound holds against adversarial inputs with gains ×4 and q/k biases perturbed; with
 ``scaling="none"`` the rewritten model equals eager.
 """
@@ -31,6 +31,8 @@ FAMILIES = {
                     sliding_window=16), ("eager",), (4, 2, 16), 64, "rmsnorm"),
     "cohere": (dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
                ("sdpa",), (4, 2, 16), 64, "layernorm"),
+    # ALiBi through ``alibi.baddbmm(batch1=q, batch2=k)`` and a (B·H) → (B, H) view
+    "bloom": (dict(), ("eager",), (4, 4, 16), 64, "layernorm"),
 }
 CASES = [(f, impl) for f, (_, impls, *_rest) in FAMILIES.items() for impl in impls]
 
