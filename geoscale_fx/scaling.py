@@ -201,7 +201,7 @@ class GeometryScaling(ScalingPolicy):
         hws = self._term_weights(weights)
         total = sum(e.bound(hw, state) for e, hw in zip(self.estimators, hws))
         bound = heads.apply_modifiers(total, self.site.modifiers,
-                                      {k: v.detach() for k, v in weights.items()}.__getitem__)
+                                      lambda name: weights[name].detach())
         torch._assert_async(torch.isfinite(bound).all(),
                             f"{NON_FINITE_TAG} in attention site '{self.site.name}' "
                             f"(parameters {', '.join(self.site.param_names)})")

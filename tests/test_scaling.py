@@ -138,9 +138,20 @@ def test_a_two_term_site_is_bounded_by_the_sum_of_its_terms():
 
 def test_softcap_modifier_caps_the_bound():
     bound = torch.tensor([3.0, 80.0], dtype=torch.float64)
-    capped = apply_modifiers(bound, [Modifier("mask", "m"), Modifier("softcap", "c", 50.0)])
+    capped = apply_modifiers(bound, [Modifier("softcap", "c", 50.0), Modifier("mask", "m")])
     assert capped.tolist() == [3.0, 50.0]
     assert apply_modifiers(bound, [Modifier("mask", "m")]).tolist() == [3.0, 80.0]
+    # a mask or position bias *before* the cap is inside it: only c bounds c·tanh(S + bias)
+    for kind in ("mask", "position_bias"):
+        inside = apply_modifiers(bound, [Modifier(kind, "m"), Modifier("softcap", "c", 50.0)])
+        assert inside.tolist() == [50.0, 50.0]
+
+
+def test_sink_modifier_raises_the_bound_to_the_largest_sink():
+    bound = torch.tensor([3.0, 80.0], dtype=torch.float64)
+    sinks = {"sinks": torch.tensor([-10.0, 2.0, 0.5])}
+    out = apply_modifiers(bound, [Modifier("sink", "s", param="sinks")], sinks.__getitem__)
+    assert out.tolist() == [10.0, 80.0]
 
 
 @pytest.mark.parametrize("scaling,cls,predictive", [
