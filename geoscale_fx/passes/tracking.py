@@ -351,10 +351,14 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
             not bool((sign[0] == -sign[0, index]).all()):
         raise Unsupported(f"`{node.name}`: the rotary swap has the wrong signs for a rotation")
     factor = max(abs(c.factor), abs(s.factor))
-    verified = (c.angles is s.angles and c.chain == s.chain and c.factor == s.factor
-                and c.keeps_last and s.keeps_last and checker.paired(c.angles, pairing))
+    same_angle = c.angles is s.angles and c.chain == s.chain   # element j: cos E_j, sin E_j
+    verified = (same_angle and c.factor == s.factor and c.keeps_last and s.keeps_last
+                and checker.paired(c.angles, pairing))
     if not verified:
-        factor *= math.sqrt(2.0)  # each 2×2 block has rows of norm ≤ m: ‖block‖₂ ≤ √2·m
+        # each 2×2 block [[m·cos a, ∓m·sin a], [±m·sin b, m·cos b]]: with one angle per
+        # element its rows have norm ≤ m, so ‖block‖₂ ≤ √2·m; with cos and sin of different
+        # angles only its entries are ≤ m, and ‖block‖₂ ≤ ‖block‖_F ≤ 2m
+        factor *= math.sqrt(2.0) if same_angle else 2.0
     half = width // 2
     style = ("rotate_half" if pairing == [(j + half) % width for j in range(width)] else
              "interleaved" if pairing == [j ^ 1 for j in range(width)] else "other")

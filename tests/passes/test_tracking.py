@@ -587,3 +587,44 @@ def test_site_dividing_the_query_by_zero_is_unsupported():
     site = _site(Attention(lambda q, k, m, x: (q / 0.0, k)))
     assert site.supported is False
     assert "divides the query/key by zero" in site.reason
+
+
+class _TwoAngleRope(torch.nn.Module):
+    """cos of one angle table, sin of another: not a rotation, its 2×2 blocks reach norm 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qk = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64)
+        # block [[cos 0, −sin(−π/2)], [sin(π/2), cos 0]] = [[1, 1], [1, 1]]: norm 2
+        self.register_buffer("a", torch.zeros(6, 8))
+        self.register_buffer("b", torch.tensor([-math.pi / 2] * 4 + [math.pi / 2] * 4)
+                             .expand(6, 8).clone())
+
+    def forward(self, x):
+        q, k = self.qk(self.norm(x)).view(2, 6, 2, 4, 8).transpose(2, 3).unbind(-2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                     # (B, H, L, 8)
+
+        def rotate(t):
+            return t * self.a.cos() + torch.cat((-t[..., 4:], t[..., :4]), -1) * self.b.sin()
+        return torch.nn.functional.scaled_dot_product_attention(rotate(q), rotate(k), k)
+
+
+def test_cos_and_sin_of_different_angles_pay_a_factor_two():
+    """The old √2 assumed rows of norm ≤ 1, true only when cos and sin share each angle."""
+    import geoscale_fx
+
+    site, = geoscale_fx.find_attention(_TwoAngleRope(), torch.randn(2, 6, 32))
+    assert site.supported and not site.q.rotary.pairing_verified
+    assert site.q.rotary.factor == pytest.approx(2.0)
+    # the map is not norm preserving: per token, max ‖R x‖/‖x‖ over x exceeds √2 here
+    m = _TwoAngleRope()
+    worst = 0.0
+    for pos in range(6):
+        c, s_ = m.a.cos()[pos], m.b.sin()[pos]
+        rows = torch.zeros(8, 8)
+        for j in range(8):
+            rows[j, j] = c[j]
+            partner = (j + 4) % 8
+            rows[j, partner] = s_[j] * (-1.0 if j < 4 else 1.0)
+        worst = max(worst, float(torch.linalg.matrix_norm(rows, ord=2)))
+    assert math.sqrt(2.0) < worst <= 2.0 + 1e-6
