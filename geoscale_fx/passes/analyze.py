@@ -162,11 +162,25 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     k_rows = head_rows(k_track, cand.key, "key")
     if q_track.shape[-1] != k_track.shape[-1]:
         raise Unsupported(f"`{cand.node.name}`: query and key head widths differ")
+    for role, rows in (("query", q_rows), ("key", k_rows)):
+        _check_rotations_whole(cand, role, rows, checkers[role])
     _mapping, k_features = _pair_heads(cand, q_rows, k_rows)
     q_proj = _side_of(q_trace, q_rows, checkers["query"], kinds)
     k_proj = _side_of(k_trace, k_rows, checkers["key"], kinds, features=k_features)
     return _fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
                    k_track.shape[-2], q_rows.head_of_row)
+
+
+def _check_rotations_whole(cand: Candidate, role: str, rows: HeadRows,
+                           checker: AngleChecker) -> None:
+    """Each rotated pair must stay inside one head vector: a slice after RoPE keeps values
+    that mix in a dropped partner, and the rotation bound would not hold for what is left."""
+    partners = checker.partners
+    for features in rows.features:
+        kept = set(features)
+        if any(f in partners and partners[f] not in kept for f in features):
+            raise Unsupported(f"`{cand.node.name}`: the {role} keeps half of a rotated pair "
+                              "(a slice after the rotary embedding)")
 
 
 def _fields(cand, q_side: Side, k_side: Side, gain, q_len, kv_len, head_of_row) -> dict:

@@ -628,3 +628,30 @@ def test_cos_and_sin_of_different_angles_pay_a_factor_two():
             rows[j, partner] = s_[j] * (-1.0 if j < 4 else 1.0)
         worst = max(worst, float(torch.linalg.matrix_norm(rows, ord=2)))
     assert math.sqrt(2.0) < worst <= 2.0 + 1e-6
+
+
+class _SliceAfterRope(torch.nn.Module):
+    """RoPE on 8-wide heads, then only the first 4 channels reach attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qk = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64)
+        angles = torch.arange(6)[:, None] * torch.linspace(0.3, 2.0, 4)
+        self.register_buffer("e", torch.cat((angles, angles), -1))
+
+    def forward(self, x):
+        q, k = self.qk(self.norm(x)).view(2, 6, 2, 4, 8).transpose(2, 3).unbind(-2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                     # (B, H, L, 8)
+
+        def rotate(t):
+            return t * self.e.cos() + torch.cat((-t[..., 4:], t[..., :4]), -1) * self.e.sin()
+        q, k = rotate(q)[..., :4], rotate(k)[..., :4]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k)
+
+
+def test_a_slice_after_rope_is_unsupported():
+    """The kept channels mix in their dropped partners' weights: no bound from A[:, :4]."""
+    import geoscale_fx
+
+    site, = geoscale_fx.find_attention(_SliceAfterRope(), torch.randn(2, 6, 32))
+    assert not site.supported and "half of a rotated pair" in site.reason
