@@ -100,7 +100,9 @@ def _rotary(rows: HeadRows, rotaries):
         return None
     if not rotaries:
         raise Unsupported("internal: rotation without a recorded rotary embedding")
-    return replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation)
+    # stacked rotations: the factor is their product (rows.rotation), verified only if all are
+    return replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation,
+                   pairing_verified=all(r.pairing_verified for r in rotaries))
 
 
 def _side(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput, rotaries,

@@ -432,6 +432,8 @@ def test_site_rotary_factor_is_the_product_of_both_rotaries():
     assert site.q.rotary.factor == pytest.approx(math.sqrt(2.0))
     assert site.k.rotary.factor == pytest.approx(1.0)
     assert site.terms[0].rotation_gain == pytest.approx(math.sqrt(2.0))
+    # the site's rotary is verified only if every stacked rotation was
+    assert not site.q.rotary.pairing_verified and site.k.rotary.pairing_verified
 
 
 def _roll_by_one(t):
