@@ -177,12 +177,17 @@ def _check_rotations_whole(cand: Candidate, role: str, rows: HeadRows,
                            checker: AngleChecker) -> None:
     """Each rotated pair must stay inside one head vector: a slice after RoPE keeps values
     that mix in a dropped partner, and the rotation bound would not hold for what is left."""
-    partners = checker.partners
-    for features in rows.features:
-        kept = set(features)
-        if any(f in partners and partners[f] not in kept for f in features):
-            raise Unsupported(f"`{cand.node.name}`: the {role} keeps half of a rotated pair "
-                              "(a slice after the rotary embedding)")
+    if not checker.partners:
+        return
+    feature = torch.cat([f for f, _ in checker.partners])
+    partner = torch.cat([p for _, p in checker.partners])
+    heads = torch.tensor(rows.features, dtype=torch.long)                  # (n, d_h)
+    head_of = torch.full((int(max(feature.max(), partner.max(), heads.max())) + 1,), -1)
+    head_of[heads] = torch.arange(heads.shape[0])[:, None].expand_as(heads)
+    kept = head_of[feature] >= 0
+    if not bool((head_of[partner][kept] == head_of[feature][kept]).all()):
+        raise Unsupported(f"`{cand.node.name}`: the {role} keeps half of a rotated pair "
+                          "(a slice after the rotary embedding)")
 
 
 def _fields(cand, q_side: Side, k_side: Side, gain, q_len, kv_len, head_of_row) -> dict:

@@ -365,8 +365,8 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: "AngleChecker") -
     checker.record(Rotary(style=style, factor=factor, pairing_verified=verified,
                           pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name,
                           signs=tuple(float(v) for v in sign[0].tolist())))
-    for row in torch.unique(bc.compact(a.feat).reshape(-1, width), dim=0).tolist():
-        checker.partners.update({row[j]: row[p] for j, p in enumerate(pairing)})
+    rows = bc.compact(a.feat).reshape(-1, width).long()
+    checker.partners.append((rows.reshape(-1), rows[:, index].reshape(-1)))
     # a rotation of an already rotated value: the gains multiply
     rot = bc.elementwise(lambda r: torch.where(r > 0, r, 1.0) * factor, a.rot)
     return a.with_(rot=rot)
@@ -384,7 +384,8 @@ class AngleChecker:
         self._evaluate = evaluate
         self.rotaries: list[Rotary] = []
         self.norms: dict[int, tuple[int, dict[int, int]]] = {}   # unit → (width, positions)
-        self.partners: dict[int, int] = {}   # rotated feature → the feature it rotates with
+        #: (feature, the feature it rotates with) of every rotated element, as index tensors
+        self.partners: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def record(self, rotary: Rotary) -> None:
         self.rotaries.append(rotary)
