@@ -75,6 +75,12 @@ class GeoscaleModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "generate" and not self.__dict__.get("_warned_generate"):
+                # the model's own generate() calls its own, uncompiled forward
+                self.__dict__["_warned_generate"] = True
+                log.warning("geoscale: %s.generate() runs the model WITHOUT FP8 attention "
+                            "scaling: it calls the unwrapped forward (generate through "
+                            "geoscale is not supported yet)", type(self.model).__name__)
             return getattr(self._modules["model"], name)
 
     @property

@@ -122,3 +122,17 @@ def test_left_as_is_sites_are_counted_and_reported():
     assert counters["geoscale"]["rewrite_fused"] + counters["geoscale"]["rewrite_explicit"] == 0
     skipped = geoscale_fx.report(compiled).skipped
     assert len(skipped) == 1 and "opaque fused op" in skipped[0]["reason"]
+
+
+@pytest.mark.zoo
+def test_generate_through_the_wrapper_says_it_runs_without_fp8(caplog):
+    """generate() reaches the unwrapped model: until it is supported, it says so, once."""
+    wrapped = geoscale_fx.wrap(build_hf("llama-sdpa"), compiler="aot_eager")
+    ids = torch.randint(0, 128, (1, 4))
+    with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+        out = wrapped.generate(ids, max_new_tokens=2, do_sample=False)
+        wrapped.generate(ids, max_new_tokens=1, do_sample=False)
+    assert out.shape == (1, 6)
+    warnings = [r.getMessage() for r in caplog.records if "generate()" in r.getMessage()]
+    assert len(warnings) == 1 and "WITHOUT FP8" in warnings[0] and "LlamaForCausalLM" in \
+        warnings[0]
