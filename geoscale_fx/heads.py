@@ -89,7 +89,23 @@ def fold_channel_ops(channel_ops, resolve: Resolve, model_dim: int
 
 def _normalized_heads(side: Side, resolve: Resolve
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(A, c)`` of a side made of a QK-norm: ``A_h = diag(gain_h)`` (n, d_h, d_h)."""
+    """``(A, c)`` of a side made of a QK-norm: ``A_h = diag(gain_h)`` (n, d_h, d_h).
+
+    Why this is a certified bound. The norm's output row ``x̂`` (width W: d_h per head, or
+    the whole projection) has ``‖x̂‖ ≤ √W`` (RMSNorm: ``√W·x/√(‖x‖² + Wε)``; LayerNorm: the
+    same for the centered vector), so head h's channels ``x̂_h`` satisfy ``‖x̂_h‖ ≤ √W``. The
+    operand is ``q_h = g_h ⊙ x̂_h + β_h = A_hᵀ x̂_h + c_h``. For query head h and key head g:
+
+        |S| = s·|q_hᵀ k_g| ≤ s·(|x̂_qᵀ A_q A_kᵀ x̂_k| + |x̂_qᵀ A_q c_k| + |c_qᵀ A_kᵀ x̂_k| + |c_q·c_k|)
+            ≤ s·(ρ_q ρ_k ‖A_q A_kᵀ‖₂ + ρ_q ‖A_q c_k‖ + ρ_k ‖A_k c_q‖ + |c_q·c_k|)
+
+    (Cauchy–Schwarz), which is ``bounds.affine_logit_bound`` with
+    ``‖A_q A_kᵀ‖₂ = ‖diag(g_q ⊙ g_k)‖₂ = max_i |g_q,i g_k,i|``: without offsets,
+    ``s·W·max_i|g_q,i g_k,i|``, attained by an RMSNorm output concentrated on the channel
+    that maximizes it (``x = e_i``), so it is tight. A rotation R after the norm (RoPE)
+    keeps ``‖R(g ⊙ x̂ + β)‖ = ‖g ⊙ x̂ + β‖ ≤ ρ·max|g| + ‖β‖``, and the norm-product bound
+    ``s·(ρ max|g_q| + ‖β_q‖)(ρ max|g_k| + ‖β_k‖)`` follows (``‖A_h‖₂ = max|g_h|``).
+    """
     index = torch.tensor([[side.source.channel_index[f] for f in row] for row in side.features])
     gain, offset = fold_channel_ops(side.source.channel_ops, resolve, side.source.width)
     if gain is None:
