@@ -117,7 +117,6 @@ class Alpha:
 
 class ScalingPolicy:
     """Base: no state of its own, divisor known only once S is computed."""
-    predictive = False       # the divisor exists before the logits (fused lowering possible)
     observes = True          # needs max|S| every step (materializes the logits)
     estimators: tuple[Estimator, ...] = ()
 
@@ -151,7 +150,6 @@ class CurrentScaling(ScalingPolicy):
 
 
 class DelayedScaling(ScalingPolicy):
-    predictive = True
 
     def specs(self):
         opt = self.options
@@ -177,7 +175,6 @@ class DelayedScaling(ScalingPolicy):
 
 
 class GeometryScaling(ScalingPolicy):
-    predictive = True
 
     def __init__(self, site, options, n_scale, n_heads_total: int):
         super().__init__(site, options, n_scale)

@@ -154,13 +154,13 @@ def test_sink_modifier_raises_the_bound_to_the_largest_sink():
     assert out.tolist() == [10.0, 80.0]
 
 
-@pytest.mark.parametrize("scaling,cls,predictive", [
-    ("geometry", GeometryScaling, True), ("delayed", DelayedScaling, True),
-    ("current", CurrentScaling, False), ("none", NoScaling, False),
+@pytest.mark.parametrize("scaling,cls", [
+    ("geometry", GeometryScaling), ("delayed", DelayedScaling),
+    ("current", CurrentScaling), ("none", NoScaling),
 ])
-def test_make_policy(scaling, cls, predictive):
+def test_make_policy(scaling, cls):
     policy = make_policy(_site([_term()]), GeoscaleOptions(scaling=scaling), 1, NQ)
-    assert type(policy) is cls and policy.predictive is predictive
+    assert type(policy) is cls
     assert policy.observes is (scaling in ("delayed", "current"))
 
 
