@@ -163,7 +163,7 @@ def sigma_bound(term: Term, head_weights: HeadWeights, sigma: torch.Tensor,
         bound = bounds.affine_logit_bound(sigma, aq_ck, ak_cq, cq_ck, radius_q=term.q.radius,
                                           radius_k=term.k.radius,
                                           softmax_scale=abs(softmax_scale))
-    return bound * term.rotation_gain if term.rope else bound
+    return bound * term.operand_scale
 
 
 def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Tensor,
@@ -179,7 +179,7 @@ def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Ten
     return bounds.norm_product_logit_bound(aq_norm, ak_norm, cq_norm, ck_norm,
                                            radius_q=term.q.radius, radius_k=term.k.radius,
                                            softmax_scale=abs(softmax_scale),
-                                           rotation_gain=term.rotation_gain)
+                                           rotation_gain=term.operand_scale)
 
 
 def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,

@@ -67,9 +67,11 @@ def relative_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeig
     """Per-head ``max_δ`` of one term's affine bound with ``A_q T_δ A_kᵀ``; ``(n_q,)`` float64."""
     rq, rk = term.q.rotary, term.k.rotary
     if rq is None or rk is None or rq.partial or rk.partial or not (
-            rq.pairing_verified and rk.pairing_verified) or rq.pairing != rk.pairing:
+            rq.pairing_verified and rk.pairing_verified) or rq.pairing != rk.pairing or \
+            rq.form != "tables" or rk.form != "tables":
         raise ValueError(f"site {site.name!r}: the relative RoPE bound needs full, verified "
-                         "rotary embeddings on both queries and keys")
+                         "rotary embeddings with full-width cos/sin tables on both queries and keys "
+                         "(rope_bound='norm_product' covers the other forms)")
     try:
         cos, sin = site._resolve(rq.cos_node), site._resolve(rq.sin_node)
     except ValueError:
@@ -97,5 +99,5 @@ def relative_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeig
             r_k[:, None] @ t[None].transpose(-1, -2) @ cq[:, None, :, None], dim=(-2, -1))
         if c_k is not None:
             total = total + (cq[:, None, None, :] @ t[None] @ ck[:, None, :, None]).abs()[..., 0, 0]
-    gain = rq.factor * rk.factor
+    gain = rq.factor * rk.factor * term.q.position_gain * term.k.position_gain
     return abs(site.softmax_scale) * gain * total.amax(dim=1)

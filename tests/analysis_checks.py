@@ -174,3 +174,47 @@ def adversarial(model, steps=25, batch=2, seq=12, d=64):
         (-ratios.sum()).backward()
         opt.step()
     return sites, best, best_logit
+
+
+def _side_norms(gm, values, site, side_name) -> torch.Tensor:
+    """Σ_t ‖side_t,h(m)‖² over the site's terms, recomputed from each term's own source and
+    head weights: (B, n_heads, L)."""
+    total = None
+    for t, (term, hw) in enumerate(zip(site.terms, site.term_weights())):
+        side = term.q if side_name == "q" else term.k
+        a, c = (hw.a_q, hw.c_q) if side_name == "q" else (hw.a_k, hw.c_k)
+        x_hat = normalized_input(gm, values, side).double()
+        out = torch.einsum("...d,ndj->...nj", x_hat, a.double())
+        out = (out + c.double() if c is not None else out) * side.operand_gain
+        sq = out.pow(2).sum(-1).transpose(-1, -2)                        # (B, n, L)
+        total = sq if total is None else total + sq
+    return total
+
+
+def check_term_norms(gm, values, site, batch, rtol=1e-4):
+    """Every term recomputed from its own source and weights: per head and token, the
+    squared norms of the terms' parts add up to the attention operand's own (rotations keep
+    norms; a rotary factor f or a per-position multiplier t scales them by at most f², t²).
+    Sides normalized after the projection (QK-norm) are left to the adversarial check."""
+    q_node, k_node, k_transposed = operands(gm, site)
+    for side_name, node in (("q", q_node), ("k", k_node)):
+        sides = [t.q if side_name == "q" else t.k for t in site.terms]
+        if any(s.weight is None for s in sides):
+            continue
+        real = values[node.name]
+        if side_name == "k" and k_transposed:
+            real = real.transpose(-1, -2)
+        real = to_bhld(real, batch).double().pow(2).sum(-1)             # (B, H, L)
+        rec = _side_norms(gm, values, site, side_name)
+        if real.shape[1] != rec.shape[1]:                               # GQA repeated keys
+            rec = rec.repeat_interleave(real.shape[1] // rec.shape[1], dim=1)
+        ratio = real / rec
+        gain = max(max(s.rotary.factor, 1.0) if s.rotary is not None else 1.0 for s in sides)
+        most = (gain * max(s.position_gain for s in sides)) ** 2
+        assert float(ratio.min()) >= 1 - rtol and float(ratio.max()) <= most * (1 + rtol), \
+            (side_name, float(ratio.min()), float(ratio.max()), most)
+        exact = all(s.position_gain == 1.0 and (s.rotary is None or not s.rotary.partial)
+                    for s in sides) and len({s.rotary.factor if s.rotary else 1.0
+                                             for s in sides}) == 1
+        if exact:
+            torch.testing.assert_close(ratio, torch.full_like(ratio, most), rtol=rtol, atol=0)

@@ -23,7 +23,8 @@ from geoscale_fx.passes.provenance import (
 from geoscale_fx.passes.site_model import (
     ROPE_BOUNDS, AttentionSite, Modifier, Side, Source, Term,
 )
-from geoscale_fx.passes.tracking import AngleChecker, Unsupported
+from geoscale_fx.passes import broadcast as bc
+from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported
 
 __all__ = ["analyze_graph"]
 
@@ -79,7 +80,7 @@ def _source(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Sourc
 
 
 def _side_of(trace: OperandTrace, rows: HeadRows, checker: AngleChecker, kinds: ValueKinds,
-             features=None) -> Side:
+             features=None, offset: int = 0) -> Side:
     """A side from its operand's trace: the projection's normalized input, or the QK-norm
     the operand is made of (then the side has no weight of its own)."""
     unit = trace.norm_unit
@@ -88,7 +89,7 @@ def _side_of(trace: OperandTrace, rows: HeadRows, checker: AngleChecker, kinds: 
         return _side(trace.projection, rows, norm, checker.rotaries, features=features)
     width, position = checker.norms[unit.id]
     n_features = (shape_of(trace.projection.root) or (0,))[-1]
-    index = tuple(position.get(f, -1) for f in range(n_features))
+    index = tuple(position.get(f + offset, -1) for f in range(n_features))
     rotary = _rotary(rows, checker.rotaries)
     return Side(source=_source(unit.norm, index), weight=None, layout="identity",
                 features=features if features is not None else rows.features, rotary=rotary,
@@ -167,38 +168,119 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     for role, rows in (("query", q_rows), ("key", k_rows)):
         _check_rotations_whole(cand, role, rows, checkers[role])
     _mapping, k_features = _pair_heads(cand, q_rows, k_rows)
-    q_proj = _side_of(q_trace, q_rows, checkers["query"], kinds)
-    k_proj = _side_of(k_trace, k_rows, checkers["key"], kinds, features=k_features)
-    return _fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
+    k_rows = replace(k_rows, features=k_features)
+    terms = []
+    for channels in _term_channels(cand, (q_trace, q_rows), (k_trace, k_rows), checkers):
+        sides = []
+        for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
+                                         ("key", k_trace, k_track, k_rows)):
+            sides.append(_term_side(cand, role, trace, track, rows, channels, checkers[role],
+                                    kinds))
+        terms.append(Term(*sides))
+    return _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
                    k_track.shape[-2], q_rows.head_of_row)
+
+
+def _term_channels(cand: Candidate, q, k, checkers) -> list[list[int]]:
+    """The head channels of each term: one term per (query projection, key projection)
+    pair that the channels of a head vector come from (MLA: the latent part and the
+    decoupled RoPE part). Every head must draw each channel from the same projections."""
+    if len(q[0].projections) == 1 and len(k[0].projections) == 1:
+        return [list(range(len(q[1].features[0])))]
+    roots = []
+    for (trace, rows), role in ((q, "query"), (k, "key")):
+        features = torch.tensor(rows.features, dtype=torch.long)          # (n, d_h)
+        root = trace.root_of(features)
+        if not bool((root == root[:1]).all()):
+            raise Unsupported(f"`{cand.node.name}`: the {role}'s heads draw the same channel "
+                              "from different projections")
+        roots.append(root[0].tolist())
+    groups: dict[tuple[int, int], list[int]] = {}
+    for channel, pair in enumerate(zip(*roots)):
+        groups.setdefault(pair, []).append(channel)
+    if len(groups) > 1:
+        for (trace, rows), role in ((q, "query"), (k, "key")):
+            _check_rotations_within(cand, role, rows, checkers[role], list(groups.values()))
+    return list(groups.values())
+
+
+def _check_rotations_within(cand, role, rows: HeadRows, checker: AngleChecker, terms) -> None:
+    """A rotation pair split between two terms would mix them: each term's bound would not
+    hold for its rotated channels."""
+    groups = [[head[c] for head in rows.features for c in channels] for channels in terms]
+    _partners_within(checker, groups, f"`{cand.node.name}`: the {role} rotates a channel of "
+                     "one projection with a channel of another")
+
+
+def _term_side(cand, role, trace, track, rows: HeadRows, channels, checker, kinds) -> Side:
+    """One term's side: the head channels ``channels`` of the operand."""
+    if len(trace.projections) == 1 and len(channels) == track.shape[-1]:
+        side = _side_of(trace, rows, checker, kinds, features=rows.features)
+    else:
+        index = torch.tensor(channels)
+        sub = Track(*(bc.take_last(t, index) for t in track.fields()))
+        sub_rows = head_rows(sub, cand.node, role)
+        root = int(trace.root_of(torch.tensor(rows.features[0][channels[0]])))
+        part = trace.part(root, sub)
+        offset = trace.projections[root][1]
+        features = tuple(tuple(head[c] - offset for c in channels) for head in rows.features)
+        rows = replace(sub_rows, features=tuple(tuple(head[c] for c in channels)
+                                                for head in rows.features))
+        side = _side_of(part, replace(rows, features=features), checker, kinds,
+                        features=features, offset=offset)
+    return replace(side, position_gain=_position_gain(cand, role, rows, checker))
+
+
+def _position_gain(cand: Candidate, role: str, rows: HeadRows, checker: AngleChecker
+                   ) -> float:
+    """The product of the per-position multipliers' bounds applied to the whole operand (a
+    multiplier of part of a head vector is not a scalar on it: refused)."""
+    gain = 1.0
+    if not checker.multipliers:
+        return gain
+    features = torch.tensor([f for head in rows.features for f in head]).unique()
+    for bound, covered in checker.multipliers:
+        inside = torch.isin(features, covered.long())
+        if not bool(inside.any()):
+            continue
+        if not bool(inside.all()):
+            raise Unsupported(f"`{cand.node.name}`: a per-position multiplier scales part of "
+                              f"the {role}'s head vectors")
+        gain *= bound
+    return gain
 
 
 def _check_rotations_whole(cand: Candidate, role: str, rows: HeadRows,
                            checker: AngleChecker) -> None:
     """Each rotated pair must stay inside one head vector: a slice after RoPE keeps values
     that mix in a dropped partner, and the rotation bound would not hold for what is left."""
+    _partners_within(checker, rows.features, f"`{cand.node.name}`: the {role} keeps half of "
+                     "a rotated pair (a slice after the rotary embedding)")
+
+
+def _partners_within(checker: AngleChecker, groups, message: str) -> None:
+    """Every rotated element whose feature is in one of ``groups`` has its partner in the
+    same group, else ``Unsupported(message)``."""
     if not checker.partners:
         return
-    feature = torch.cat([f for f, _ in checker.partners])
-    partner = torch.cat([p for _, p in checker.partners])
-    heads = torch.tensor(rows.features, dtype=torch.long)                  # (n, d_h)
-    head_of = torch.full((int(max(feature.max(), partner.max(), heads.max())) + 1,), -1)
-    head_of[heads] = torch.arange(heads.shape[0])[:, None].expand_as(heads)
-    kept = head_of[feature] >= 0
-    if not bool((head_of[partner][kept] == head_of[feature][kept]).all()):
-        raise Unsupported(f"`{cand.node.name}`: the {role} keeps half of a rotated pair "
-                          "(a slice after the rotary embedding)")
+    group_of = {f: g for g, features in enumerate(groups) for f in features}
+    for feature, partner in checker.partners:
+        for f, p in zip(feature.tolist(), partner.tolist()):
+            g = group_of.get(f)
+            if g is not None and group_of.get(p) != g:
+                raise Unsupported(message)
 
 
-def _fields(cand, q_side: Side, k_side: Side, gain, q_len, kv_len, head_of_row) -> dict:
+def _fields(cand, terms: list[Term], gain, q_len, kv_len, head_of_row) -> dict:
     if not math.isfinite(cand.scale):
         raise Unsupported(f"`{cand.node.name}`: the softmax scale is not a compile-time constant")
     score_heads, score_lead = score_head_period(head_of_row)
     return dict(
-        n_q_heads=q_side.n_heads, n_kv_heads=k_side.n_heads, head_dim=q_side.head_dim,
+        n_q_heads=terms[0].q.n_heads, n_kv_heads=terms[0].k.n_heads,
+        head_dim=sum(t.q.head_dim for t in terms),
         softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
         has_mask=cand.has_mask, dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len,
-        terms=(Term(q_side, k_side),),
+        terms=tuple(terms),
         modifiers=tuple(Modifier(kind, node.name, value,
                                  param=node.name if kind == "sink" else None)
                         for kind, node, value in cand.modifiers),
@@ -261,7 +343,7 @@ def _analyze_mha(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
                                                                      True) else 0.0
     q_len = (shape_of(query) or (0,))[0]
     kv_len = (shape_of(key) or (0,))[0]
-    return _fields(cand, q_proj, k_proj, 1.0, q_len, kv_len, torch.arange(n_heads))
+    return _fields(cand, [Term(q_proj, k_proj)], 1.0, q_len, kv_len, torch.arange(n_heads))
 
 
 def _analyze_encoder_layer(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
@@ -279,7 +361,8 @@ def _analyze_encoder_layer(cand: Candidate, kinds: ValueKinds, evaluator, order)
     cand.scale = 1.0 / math.sqrt(d_h)
     cand.has_mask = len(node.args) > 18 and node.args[18] is not None
     shape = shape_of(src) or (0, 0)
-    return _fields(cand, q_proj, k_proj, 1.0, shape[-2], shape[-2], torch.arange(n_heads))
+    return _fields(cand, [Term(q_proj, k_proj)], 1.0, shape[-2], shape[-2],
+                   torch.arange(n_heads))
 
 
 _ANALYZERS = {

@@ -26,6 +26,10 @@ class ParamEvaluator:
         self._inputs = {n: (example_inputs[i] if i < len(example_inputs) else None)
                         for i, n in enumerate(placeholders)}
 
+    @property
+    def kinds(self) -> ValueKinds:
+        return self._kinds
+
     def __call__(self, node: Node) -> torch.Tensor | None:
         return self.evaluate(node)
 

@@ -8,6 +8,8 @@ after it. The same walk recognises a normalization *after* a projection (QK-norm
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -195,6 +197,14 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
                 not _keeps_last_dim(node, op):
             fail(": it mixes the feature dimension")
         return src, radius_factor
+    if op == "cat":  # ``cat([empty cache, x], dim=-2)``: x's rows, unchanged
+        parts = [t for t in arg(node, 0, "tensors")
+                 if not (isinstance(t, Node) and math.prod(shape_of(t) or (1,)) == 0)]
+        ndim = len(shape_of(node) or ())
+        if len(parts) == 1 and isinstance(parts[0], Node) and \
+                not _is_last_dim(arg(node, 1, "dim", 0), ndim):
+            return parts[0], radius_factor
+        fail(": it concatenates values that do not all come from one normalization")
     if op == "dropout":
         p, training = arg(node, 1, "p", 0.5), arg(node, 2, "training", True)
         if training and p > 0:

@@ -21,7 +21,9 @@ from geoscale_fx.passes.graph_ops import (
 from geoscale_fx.passes.normalization import (
     VIEWS, NormalizedInput, norm_input, same_value, strip_casts, trace_normalized_input,
 )
-from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported, replay
+from geoscale_fx.passes.tracking import (
+    AngleChecker, RotaryTerm, Track, Unsupported, replay, trig_origin,
+)
 
 __all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
            "trace_normalized_input", "head_rows", "HeadRows"]
@@ -42,6 +44,26 @@ class OperandTrace:
     projection: ProjectionOp
     track: Track
     norm_unit: Optional["NormUnit"] = None    # the QK-norm the operand is made of, if any
+    #: every projection the operand is made of (MLA's key: the latent up-projection and the
+    #: decoupled RoPE key), with the offset of its features in ``track.feat``
+    projections: tuple[tuple[ProjectionOp, int], ...] = ()
+    units: tuple["NormUnit", ...] = ()
+
+    def part(self, root: int, track: Track) -> "OperandTrace":
+        """The trace of one projection's channels (``track``: those channels, global ids)."""
+        projection, offset = self.projections[root]
+        src = bc.compact(track.src)
+        if not bool((src == src.reshape(-1)[0]).all()):
+            raise Unsupported(f"the operand mixes normalized and unnormalized channels of "
+                              f"`{projection.root.name}`")
+        unit_id = int(src.reshape(-1)[0])
+        unit = next((u for u in self.units if u.id == unit_id), None)
+        return OperandTrace(projection, track, unit, ((projection, offset),), self.units)
+
+    def root_of(self, features: torch.Tensor) -> torch.Tensor:
+        """Which projection each (global) feature id comes from."""
+        bounds = torch.tensor([offset for _, offset in self.projections[1:]], dtype=torch.long)
+        return torch.bucketize(features.long(), bounds, right=True)
 
 
 def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
@@ -85,7 +107,7 @@ def _norm_unit(node: Node, kinds: ValueKinds, unit_id: int) -> Optional[NormUnit
     Its per-channel ops must be parameters (never a rotary table, which a length-1 decode
     step would make look per-channel).
     """
-    if op_of(node) in VALUE_CASTS or op_of(node) in VIEWS:
+    if op_of(node) not in ("mul", "div", "add", "sub", "layer_norm", "rms_norm"):
         return None     # the unit ends at the norm or at its last gain, not at a view of it
     try:
         norm = trace_normalized_input(node, kinds, node)
@@ -100,17 +122,17 @@ def _norm_unit(node: Node, kinds: ValueKinds, unit_id: int) -> Optional[NormUnit
 
 
 def _trig_table(node: Node) -> bool:
-    from geoscale_fx.passes.tracking import _trig_origin
-
-    return _trig_origin(node) is not None
+    return trig_origin(node) is not None
 
 
 def find_projection(operand: Node, kinds: ValueKinds, role: str
-                    ) -> tuple[ProjectionOp, set, dict[Node, NormUnit]]:
-    """The unique projection feeding ``operand``, the nodes visited on the way back, and the
-    normalizations after the projection (QK-norm), keyed by their last node."""
+                    ) -> tuple[list[ProjectionOp], set, dict[Node, NormUnit], dict]:
+    """The projections feeding ``operand`` (in graph order), the nodes visited on the way
+    back, the normalizations after a projection (QK-norm) keyed by their last node, and the
+    buffers assembled by in-place writes (``assembled_writes``)."""
     frontier: dict[Node, ProjectionOp] = {}
     units: dict[Node, NormUnit] = {}
+    assembled: dict[Node, list] = {}
     visited, stack, sources = set(), [operand], []
     while stack:
         node = stack.pop()
@@ -126,29 +148,84 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str
             units[node] = unit
             stack.append(unit.input)
             continue
+        writes = assembled_writes(node)
+        if writes is not None:  # ``new_empty`` + ``copy_`` into slices: what was written
+            assembled[node] = writes
+            stack.extend(src for _, _, src, _ in writes)
+            continue
         inputs = [n for n in node.all_input_nodes if kinds.is_activation(n)]
         if node.op == "placeholder":
             sources.append(node)
         stack.extend(inputs)
-    roots = frontier
-    if len(roots) == 1:
-        return next(iter(roots.values())), visited, units
-    if not roots:
+    if not frontier:
         where = f"graph input `{sources[0].name}`" if sources else "no parameterised projection"
         raise Unsupported(f"the {role} `{operand.name}` is not a projection of a normalized "
                           f"input: it comes from {where}")
-    names = ", ".join(f"`{r.name}`" for r in roots)
-    raise Unsupported(f"the {role} `{operand.name}` mixes {len(roots)} projections ({names})")
+    return list(frontier.values()), visited, units, assembled
+
+
+def assembled_writes(node: Node) -> Optional[list[tuple[int, int, Node, Node]]]:
+    """``buf = x.new_empty(shape)`` whose whole last dim is written by
+    ``buf[..., a:b].copy_(src)`` before anything reads it: ``(a, b, src, copy node)`` per
+    write, in order of ``a``; None for any other node."""
+    if not (node.op == "call_method" and node.target == "new_empty"):
+        return None
+    shape = shape_of(node)
+    if not shape:
+        return None
+    writes, reads = [], []
+    for user in node.users:
+        span = _last_dim_slice(user, len(shape), shape[-1])
+        copies = [u for u in user.users if u.op == "call_method" and u.target == "copy_"
+                  and u.args[0] is user] if span is not None else []
+        if span is not None and len(copies) == 1 and len(user.users) == 1:
+            writes.append((*span, copies[0].args[1], copies[0]))
+        else:
+            reads.append(user)
+    writes.sort(key=lambda w: w[0])
+    covered = [(a, b) for a, b, _, _ in writes]
+    if not writes or covered[0][0] != 0 or covered[-1][1] != shape[-1] or \
+            any(b != a2 for (_, b), (a2, _) in zip(covered, covered[1:])):
+        return None
+    graph_order = {n: i for i, n in enumerate(node.graph.nodes)}
+    last_write = max(graph_order[c] for *_, c in writes)
+    if any(graph_order[r] < last_write for r in reads):
+        return None
+    return writes
+
+
+def _last_dim_slice(node: Node, ndim: int, width: int) -> Optional[tuple[int, int]]:
+    """``(a, b)`` if ``node`` is ``x[..., a:b]`` (every other dim whole)."""
+    if op_of(node) != "getitem":
+        return None
+    index = node.args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    if index and index[0] is Ellipsis:
+        index = (slice(None),) * (ndim - len(index) + 1) + index[1:]
+    if len(index) != ndim or not all(isinstance(i, slice) for i in index) or \
+            any(i != slice(None) for i in index[:-1]):
+        return None
+    last = index[-1]
+    if last.step not in (None, 1) or not all(isinstance(v, (int, type(None)))
+                                              for v in (last.start, last.stop)):
+        return None
+    start, stop, _ = last.indices(width)
+    return (start, stop) if stop > start else None
 
 
 def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role: str,
                   order: dict[Node, int]) -> OperandTrace:
-    projection, visited, units = find_projection(operand, kinds, role)
+    projections, visited, units, assembled = find_projection(operand, kinds, role)
     jumps: dict[Node, list[Node]] = {}
     for unit in units.values():
         jumps.setdefault(unit.input, []).append(unit.end)
-    on_path, stack = set(), [projection.root]
-    while stack:  # forward from the root, staying inside the backward-visited set
+    position = dict(order)
+    for buffer, writes in assembled.items():
+        for *_, src, copy in writes:
+            jumps.setdefault(src, []).append(buffer)
+        position[buffer] = max(order[copy] for *_, copy in writes)   # after its writes
+    on_path, stack = set(), [p.root for p in projections]
+    while stack:  # forward from the roots, staying inside the backward-visited set
         node = stack.pop()
         if node in on_path:
             continue
@@ -156,20 +233,30 @@ def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role:
         stack.extend(u for u in node.users if u in visited)
         stack.extend(jumps.get(node, ()))
     if operand not in on_path:
-        raise Unsupported(f"`{operand.name}` is not reachable from `{projection.root.name}`")
-    path = sorted(on_path, key=order.__getitem__)
-    env = replay(path, projection.root, checker,
-                 {u.end: (u.input, u.id) for u in units.values()})
+        raise Unsupported(f"`{operand.name}` is not reachable from its projections")
+    path = sorted(on_path, key=position.__getitem__)
+    projections.sort(key=lambda p: order[p.root])
+    offsets, total = [], 0
+    for p in projections:
+        offsets.append(total)
+        total += (shape_of(p.root) or (0,))[-1]
+    env = replay(path, {p.root: off for p, off in zip(projections, offsets)}, checker,
+                 {u.end: (u.input, u.id) for u in units.values()}, assembled)
     track = env[operand]
+    if isinstance(track, RotaryTerm) and track.trig is None:
+        raise Unsupported(f"`{track.via}`: mul of the {role} by `{track.table.name}`, which "
+                          "is neither a constant nor a rotary cos/sin table")
     if not isinstance(track, Track):
         raise Unsupported(f"the {role} `{operand.name}` is half of a rotary embedding")
+    trace = OperandTrace(projections[0], track, None, tuple(zip(projections, offsets)),
+                         tuple(units.values()))
+    if len(projections) > 1:
+        return trace
     src = bc.compact(track.src)
     if not bool((src == src.reshape(-1)[0]).all()):
         raise Unsupported(f"the {role} `{operand.name}` mixes normalized and unnormalized "
                           "channels of its projection")
-    unit_id = int(src.reshape(-1)[0])
-    unit = next((u for u in units.values() if u.id == unit_id), None)
-    return OperandTrace(projection, track, unit)
+    return trace.part(0, track)
 
 
 # --------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ class Rotary:
     sin_node: str
     signs: tuple[float, ...] = ()    # rotated term: element j takes signs[j]·x[pairing[j]]
     partial: bool = False            # only part of each head is rotated
+    #: "tables": full-width cos/sin tables (``x·cos + rot(x)·sin``); "halves":
+    #: ``cat(x1·cos − x2·sin, x2·cos + x1·sin)``; "complex": ``view_as_complex(x) · z``
+    form: str = "tables"
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class Side:
     bias_param: str = ""
     bias_offset: int = 0             # bias index = feature + bias_offset (MHA separate weights)
     operand_gain: float = 1.0        # scalar applied between projection and attention operand
+    #: bound on a per-position scalar multiplier of the operand (Llama-4's attention
+    #: temperature): ``q_m = t_m · (A_hᵀ x̂_m + c_h)`` with ``|t_m| ≤ position_gain``
+    position_gain: float = 1.0
 
     @property
     def n_heads(self) -> int:
@@ -148,6 +154,14 @@ class Term:
         fq = self.q.rotary.factor if self.q.rotary is not None else 1.0
         fk = self.k.rotary.factor if self.k.rotary is not None else 1.0
         return max(fq, 1.0) * max(fk, 1.0)
+
+    @property
+    def operand_scale(self) -> float:
+        """Bound on how much rotations and per-position multipliers scale ``|qᵀk|``: both
+        are scalar per token vector (``‖R q‖ ≤ factor·‖q‖``, ``t_m q_m``), so the bilinear
+        form's bound is multiplied by their product."""
+        gain = self.rotation_gain if self.rope else 1.0
+        return gain * self.q.position_gain * self.k.position_gain
 
     @property
     def node_names(self) -> tuple[str, ...]:

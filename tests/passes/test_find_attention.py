@@ -192,7 +192,7 @@ def test_multihead_attention_cross_and_self():
 @pytest.mark.parametrize("model, args, match", [
     (Unnormalized, (torch.randn(B, L, D),), "no normalization before the projection"),
     (QueryIsInput, (torch.randn(B, L, D),), "not a projection of a normalized input"),
-    (LoRAQuery, (torch.randn(B, L, D),), "mixes 2 projections"),
+    (LoRAQuery, (torch.randn(B, L, D),), "a mix of two projections"),
     (KVCache, (torch.randn(B, L, D), torch.randn(B, H, 3, DH)), "KV cache"),
 ])
 def test_unanalysable_sites_are_reported_with_a_reason_naming_the_node(model, args, match):

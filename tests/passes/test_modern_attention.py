@@ -33,6 +33,27 @@ FAMILIES = {
                ("sdpa",), (4, 2, 16), 64, "layernorm"),
     # ALiBi through ``alibi.baddbmm(batch1=q, batch2=k)`` and a (B·H) → (B, H) view
     "bloom": (dict(), ("eager",), (4, 4, 16), 64, "layernorm"),
+    # sinks joined by ``cat`` + max-subtraction; RoPE in the halves form with YaRN tables
+    "gpt_oss": (dict(num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                     num_experts_per_tok=1, sliding_window=4), ("eager",), (4, 2, 16), 64,
+                "rmsnorm"),
+    # MLA: two terms (latent part from q_a/kv_a norms; decoupled RoPE key from the layer
+    # input norm), the key assembled by ``new_empty`` + ``copy_``, de-interleaved halves RoPE
+    "deepseek_v3": (dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                         n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+                         moe_intermediate_size=32, first_k_dense_replace=2,
+                         n_shared_experts=1), ("sdpa", "eager"), (4, 4, 16), 16, "rmsnorm"),
+    # complex RoPE (view_as_complex) then a weightless L2 QK-norm; layer 1: NoPE with the
+    # per-position attention temperature
+    "llama4_text": (dict(num_key_value_heads=2, head_dim=16, intermediate_size_mlp=128,
+                         num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=4,
+                         bos_token_id=0, eos_token_id=0, attn_temperature_tuning=True,
+                         floor_scale=4, attn_scale=0.1, no_rope_layers=[1, 0]),
+                    ("sdpa",), (4, 2, 16), None, "rmsnorm"),
+    # a sinusoid buffer gathered by position ids, interleaved pairs, partial rotary, mp_num=4
+    "codegen": (dict(rotary_dim=8, n_ctx=64, bos_token_id=0, eos_token_id=0), ("eager",),
+                (4, 4, 16), 64, "layernorm"),
 }
 CASES = [(f, impl) for f, (_, impls, *_rest) in FAMILIES.items() for impl in impls]
 
@@ -55,7 +76,24 @@ def test_every_site_is_found_supported_and_certified(family, impl):
     for site in sites:
         assert site.supported and site.certified, site.reason
         assert (site.n_q_heads, site.n_kv_heads, site.head_dim) == heads
-        assert (site.q.source.width, site.q.source.norm) == (width, norm)
+        q = site.terms[0].q
+        assert (q.source.width if width is not None else None, q.source.norm) == (width, norm)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("family,impl", CASES)
+def test_terms_recomputed_from_their_sources_match_the_operands(family, impl):
+    """Each term's sides, recomputed from its own normalized source and head weights, make
+    up the graph's own queries and keys (squared norms per head and token add up)."""
+    from geoscale_fx.capture import capture_graphs
+    from geoscale_fx.passes.analyze import analyze_graph
+
+    (graph, *_) = capture_graphs(_build(family, impl), input_ids=torch.randint(0, 128, (2, 10)))
+    values = checks.record(graph.gm, graph.example_inputs)
+    sites = analyze_graph(graph.gm, graph.example_inputs)
+    assert sites and all(s.supported for s in sites)
+    for site in sites:
+        checks.check_term_norms(graph.gm, values, site, batch=2)
 
 
 @pytest.mark.zoo

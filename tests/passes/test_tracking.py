@@ -340,9 +340,47 @@ def test_rotary_embedding_is_recognised_and_verified(name):
     assert (rotary.cos_node, rotary.sin_node) == (mul_cos.args[1].name, mul_sin.args[1].name)
 
 
-def test_rotary_with_unpaired_angles_is_unverified_and_pays_sqrt2():
-    """Angles whose paired entries differ cannot be proven a rotation: factor √2, unverified."""
-    captured = _capture(Rotated(_rotate_half, buffer=torch.randn(L, DH) * 3))
+def test_rotary_with_unpaired_buffer_angles_has_its_gain_measured():
+    """Tables that are not ``cos(E)``/``sin(E)`` of one angle per pair, but evaluable (a
+    buffer): the gain is measured, and equals ``max_m ‖R_m‖₂`` of the dense per-position
+    rotation matrices built here from the tables."""
+    angles = torch.randn(L, DH) * 3
+    captured = _capture(Rotated(_rotate_half, buffer=angles))
+    (operand,) = captured.operands
+    checker = captured.checker()
+    track = captured.trace(operand, checker).track
+    (rotary,) = checker.rotaries
+    cos, sin = angles.double().cos(), angles.double().sin()
+    dense = torch.diag_embed(cos)                                     # (L, DH, DH)
+    rows = torch.arange(DH)
+    dense[:, rows, torch.tensor(_HALF_PAIRING)] = sin * torch.tensor(_HALF_SIGNS).double()
+    expected = float(torch.linalg.matrix_norm(dense, ord=2).max())
+    assert 1.0 < expected < math.sqrt(2.0)
+    assert rotary.style == "rotate_half" and rotary.pairing_verified is True
+    assert rotary.factor == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(track.rot, torch.full((B, H, L, DH), expected))
+
+
+class InputRotated(nn.Module):
+    """rotate_half with angles from positions passed in (not evaluable at compile time)
+    whose paired entries differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(D), nn.Linear(D, D, bias=False)
+        self.register_buffer("freq", torch.rand(DH) + 0.1)
+
+    def forward(self, x, positions):
+        q = _heads(self.proj(self.norm(x)))
+        e = positions[:, None] * self.freq
+        return (q * e.cos() + _rotate_half(q) * e.sin(),)
+
+
+def test_rotary_with_unpaired_angles_from_inputs_is_unverified_and_pays_sqrt2():
+    """Angles whose pairing cannot be shown nor evaluated: factor √2, unverified."""
+    (graph,) = capture_graphs(InputRotated(), torch.randn(B, L, D), torch.arange(L).float())
+    captured = Captured(graph.gm, graph.example_inputs,
+                        ValueKinds(graph.gm.graph, graph.example_inputs))
     (operand,) = captured.operands
     checker = captured.checker()
     track = captured.trace(operand, checker).track
@@ -381,22 +419,28 @@ def _max_gain(rope) -> float:
 @pytest.mark.parametrize("name", sorted(MISPAIRED))
 def test_rotary_structural_proof_checks_the_angle_width_and_dim(name):
     """A cat/repeat_interleave of angles only proves the pairing when it builds the head's last
-    dim: a slice of a wider cat, or a repeat over positions, is unverified and pays √2, and
-    √2 (not 1) bounds ‖Rq‖/‖q‖."""
+    dim: a slice of a wider cat, or a repeat over positions, is no proof. The tables are
+    constants here, so the gain is measured instead: it equals max ‖R‖₂ of the dense
+    per-position map (computed independently), above 1 and below the √2 fallback."""
     rope, style = MISPAIRED[name]
     captured = _capture(Projected(lambda p, *_: rope(_heads(p))))
     (operand,) = captured.operands
     checker = captured.checker()
     track = captured.trace(operand, checker).track
     (rotary,) = checker.rotaries
-    assert rotary.style == style and rotary.pairing_verified is False
-    assert rotary.factor == pytest.approx(math.sqrt(2.0))
-    torch.testing.assert_close(track.rot, torch.full((B, H, L, DH), math.sqrt(2.0)))
     gain = _max_gain(rope)
-    assert 1.3 < gain <= rotary.factor + 1e-6
+    assert rotary.style == style and rotary.pairing_verified is True
+    assert 1.3 < gain < math.sqrt(2.0)
+    assert rotary.factor == pytest.approx(gain, rel=1e-5)
+    torch.testing.assert_close(track.rot, torch.full((B, H, L, DH), rotary.factor))
     q = torch.randn(4096, 1, L, DH)
     ratio = rope(q).norm(dim=-1) / q.norm(dim=-1)
     assert 1.0 < float(ratio.max()) <= rotary.factor + 1e-6
+
+
+def _from_input(table, x):
+    """``table`` made to depend on the input (positions passed in): not evaluable."""
+    return table + 0.0 * x.mean()
 
 
 class TwiceRotated(Rotated):
@@ -404,11 +448,11 @@ class TwiceRotated(Rotated):
 
     def forward(self, x):
         q = _heads(self.proj(self.norm(x)))
-        return (_rope(_rope(q, self.table), _cat_angles()),)
+        return (_rope(_rope(q, _from_input(self.table, x)), _cat_angles()),)
 
 
 def _twice_rotated(q, k, m, x):
-    return _rope(_rope(q, m.table), _cat_angles()), _rope(k, _cat_angles())
+    return _rope(_rope(q, _from_input(m.table, x)), _cat_angles()), _rope(k, _cat_angles())
 
 
 def test_second_rotary_multiplies_the_factor_of_the_first():
@@ -594,8 +638,9 @@ def test_site_dividing_the_query_by_zero_is_unsupported():
 class _TwoAngleRope(torch.nn.Module):
     """cos of one angle table, sin of another: not a rotation, its 2×2 blocks reach norm 2."""
 
-    def __init__(self):
+    def __init__(self, from_input: bool = False):
         super().__init__()
+        self.from_input = from_input
         self.norm, self.qk = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64)
         # block [[cos 0, −sin(−π/2)], [sin(π/2), cos 0]] = [[1, 1], [1, 1]]: norm 2
         self.register_buffer("a", torch.zeros(6, 8))
@@ -606,18 +651,22 @@ class _TwoAngleRope(torch.nn.Module):
         q, k = self.qk(self.norm(x)).view(2, 6, 2, 4, 8).transpose(2, 3).unbind(-2)
         q, k = q.transpose(1, 2), k.transpose(1, 2)                     # (B, H, L, 8)
 
+        a, b = (_from_input(self.a, x), _from_input(self.b, x)) if self.from_input else \
+            (self.a, self.b)
+
         def rotate(t):
-            return t * self.a.cos() + torch.cat((-t[..., 4:], t[..., :4]), -1) * self.b.sin()
+            return t * a.cos() + torch.cat((-t[..., 4:], t[..., :4]), -1) * b.sin()
         return torch.nn.functional.scaled_dot_product_attention(rotate(q), rotate(k), k)
 
 
-def test_cos_and_sin_of_different_angles_pay_a_factor_two():
-    """The old √2 assumed rows of norm ≤ 1, true only when cos and sin share each angle."""
+@pytest.mark.parametrize("from_input", [False, True])
+def test_cos_and_sin_of_different_angles_pay_a_factor_two(from_input):
+    """The old √2 assumed rows of norm ≤ 1, true only when cos and sin share each angle.
+    Tables from the input pay the certified 2; constant tables have the gain measured, which
+    here is the dense maps' own worst norm (2)."""
     import geoscale_fx
 
-    site, = geoscale_fx.find_attention(_TwoAngleRope(), torch.randn(2, 6, 32))
-    assert site.supported and not site.q.rotary.pairing_verified
-    assert site.q.rotary.factor == pytest.approx(2.0)
+    site, = geoscale_fx.find_attention(_TwoAngleRope(from_input), torch.randn(2, 6, 32))
     # the map is not norm preserving: per token, max ‖R x‖/‖x‖ over x exceeds √2 here
     m = _TwoAngleRope()
     worst = 0.0
@@ -630,6 +679,8 @@ def test_cos_and_sin_of_different_angles_pay_a_factor_two():
             rows[j, partner] = s_[j] * (-1.0 if j < 4 else 1.0)
         worst = max(worst, float(torch.linalg.matrix_norm(rows, ord=2)))
     assert math.sqrt(2.0) < worst <= 2.0 + 1e-6
+    assert site.supported and site.q.rotary.pairing_verified is not from_input
+    assert site.q.rotary.factor == pytest.approx(2.0 if from_input else worst, rel=1e-6)
 
 
 class _SliceAfterRope(torch.nn.Module):
