@@ -36,14 +36,18 @@ class _ModelForward:
     """
 
     def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self
+        if obj is None:      # on the class (HF's find_labels): a plain function
+            return _forward
 
         @functools.wraps(obj._modules["model"].forward)
         def forward(*args, **kwargs):
             return obj._geoscale_call(*args, **kwargs)
 
         return forward
+
+
+def _forward(self, *args, **kwargs):
+    return self._geoscale_call(*args, **kwargs)
 
 
 class GeoscaleModule(nn.Module):
@@ -57,6 +61,7 @@ class GeoscaleModule(nn.Module):
             raise ValueError(f"geoscale_fx.wrap: {type(model).__name__} was already converted "
                              "in place by geoscale_fx.apply_; call it directly")
         self.model = model
+        model._geoscale_wrapped = True     # apply_ on it would compile it a second time
         self._geoscale_call: GeoscaleCall = compile_with_geoscale(
             model, options, lambda **kw: torch.compile(model, **kw))
         self.geoscale = self._geoscale_call.backend
