@@ -52,8 +52,9 @@ def apply_(model: nn.Module, **options) -> nn.Module:
     _check_convertible(model, name)
     call = compile_with_geoscale(model, opts, lambda **kw: _module_compile(model, **kw))
     model._compiled_call_impl = call
-    install_save_pretrained(model)
-    hook_trainer_resume()
+    if callable(getattr(model, "save_pretrained", None)):   # Hugging Face / PEFT models
+        install_save_pretrained(model)
+        hook_trainer_resume()
     _restore_beside_weights(model)
     return model
 

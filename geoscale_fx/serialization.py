@@ -109,15 +109,18 @@ def load_state(model: nn.Module, directory: str | os.PathLike) -> bool:
 def install_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(d)`` write the state to ``d/geoscale_state.safetensors``
     and keep it out of ``model.safetensors`` (an instance attribute: other models unchanged)."""
-    if not callable(getattr(model, "save_pretrained", None)) or \
-            "save_pretrained" in model.__dict__:
+    original = getattr(type(model), "save_pretrained", None)
+    if not callable(original) or "save_pretrained" in model.__dict__:
         return
-    model.save_pretrained = types.MethodType(
-        functools.wraps(type(model).save_pretrained)(_save_pretrained), model)
+
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        return _save_pretrained(self, original, save_directory, *args, **kwargs)
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
 
 
-def _save_pretrained(self, save_directory, *args, **kwargs):
-    original = type(self).save_pretrained
+def _save_pretrained(self, original, save_directory, *args, **kwargs):
     ignore = self.__dict__.get("_keys_to_ignore_on_save")   # PreTrainedModel: an exact-key set
     state = getattr(self, STATE_ATTR, None)
     added = set()
