@@ -4,7 +4,10 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
 
     torch.compile(model, backend="geoscale")      # the backend, default options
     geoscale_fx.backend(**options)                # a configured backend
-    geoscale_fx.wrap(model, **options)            # compiled module; state in state_dict
+    geoscale_fx.apply_(model, **options)          # in place: same object, compiled, state in it
+    geoscale_fx.wrap(model, **options)            # the wrapper form; state in state_dict
+    geoscale_fx.save_state(model, dir)            # dir/geoscale_state.safetensors
+    geoscale_fx.load_state(model, dir)            # restore it (warm), False if absent/stale
     geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
     geoscale_fx.calibrate(model, batches)         # auto-α on a data loader, then frozen
     geoscale_fx.GeoscaleOptions                   # the options (validated)
@@ -28,6 +31,9 @@ _LAZY = {
     "GeoscaleBackend": ("geoscale_fx.compiler", "GeoscaleBackend"),
     "GeoscaleOptions": ("geoscale_fx.config", "GeoscaleOptions"),
     "wrap": ("geoscale_fx.wrapper", "wrap"),
+    "apply_": ("geoscale_fx.conversion", "apply_"),
+    "save_state": ("geoscale_fx.serialization", "save_state"),
+    "load_state": ("geoscale_fx.serialization", "load_state"),
     "GeoscaleModule": ("geoscale_fx.wrapper", "GeoscaleModule"),
     "report": ("geoscale_fx.reporting", "report"),
     "calibrate": ("geoscale_fx.calibration", "calibrate"),

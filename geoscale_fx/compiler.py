@@ -13,6 +13,7 @@ found, rewrites per lowering and sites left as is.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ __all__ = ["GeoscaleBackend", "SiteRecord", "backend", "geoscale_backend"]
 log = logging.getLogger("geoscale_fx")
 
 _BACKENDS: "weakref.WeakSet[GeoscaleBackend]" = weakref.WeakSet()
+_ARGS_ROOT = re.compile(r"^\[\d+\]\.")
 
 
 @dataclass
@@ -66,6 +68,7 @@ class GeoscaleBackend:
         self._unowned_keys: dict[tuple, str] = {}
         self.compiles = 0
         self.runs = 0          # calls of compiled graphs with rewritten sites (host counter)
+        self.graph_calls = 0   # calls of any graph this backend compiled (rewritten or not)
         _BACKENDS.add(self)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
@@ -76,10 +79,10 @@ class GeoscaleBackend:
         if not sites:
             log.info("geoscale: no attention in this graph (%d nodes); compiled unchanged",
                      len(gm.graph.nodes))
-            return self._compile(gm, list(example_inputs), fused=False)
+            return self._counted(self._compile(gm, list(example_inputs), fused=False))
         plans, states = self._plan_all(gm, example_inputs, sites)
         if not plans:
-            return self._compile(gm, list(example_inputs), fused=False)
+            return self._counted(self._compile(gm, list(example_inputs), fused=False))
         lowerings = [p.lowering for p in plans]
         log.info("geoscale: %d attention sites, %d rewritten (fused %d, explicit %d, in-place "
                  "%d), %d left as is", len(sites), len(plans), lowerings.count("fused"),
@@ -93,6 +96,16 @@ class GeoscaleBackend:
 
     def _count_run(self) -> None:
         self.runs += 1
+        self.graph_calls += 1
+
+    def _counted(self, compiled):
+        """A graph without rewritten sites, counted when it runs: a wrapped model's call in
+        which none of our graphs ran is one that Dynamo ran eagerly (``attach.GeoscaleCall``)."""
+        def run(*args):
+            self.graph_calls += 1
+            return compiled(*args)
+
+        return run
 
     # ---- planning -----------------------------------------------------------------------
     def _plan_all(self, gm, example_inputs, sites) -> tuple[list[SitePlan], list[SiteState]]:
@@ -138,7 +151,11 @@ class GeoscaleBackend:
         if identity not in table:
             taken = {k for t in list(self._keys.values()) + [self._unowned_keys]
                      for k in t.values()}
-            name = site.name if self.owned else f"{site.name}@{len(taken)}"
+            # a forward reached through ``args[0]`` (accelerate's autocast wrapper of
+            # ``model.forward`` under Trainer(bf16=True)) names sites ``[0].model...``: the
+            # state key must not depend on it, or a checkpoint would not restore elsewhere
+            path = _ARGS_ROOT.sub("", site.name)
+            name = path if self.owned else f"{path}@{len(taken)}"
             table[identity] = site_key(name, taken)
         return table[identity]
 

@@ -18,6 +18,7 @@ from tabulate import tabulate
 from torch import nn
 
 from geoscale_fx import bounds
+from geoscale_fx.attach import geoscale_call
 from geoscale_fx.compiler import _BACKENDS, GeoscaleBackend, SiteRecord
 
 __all__ = ["Report", "report", "site_records"]
@@ -32,7 +33,7 @@ _COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "norm_product", "bou
 class Report:
     rows: list[dict]
     skipped: list[dict]
-    eager_calls: int = 0         # wrapped-model calls that Dynamo ran without our graphs
+    eager_calls: int = 0         # wrap/apply_ calls that Dynamo ran without our graphs
 
     def table(self, floatfmt: str = ".4g") -> str:
         body = tabulate([[r.get(c) for c in _COLUMNS] for r in self.rows], headers=_COLUMNS,
@@ -54,7 +55,8 @@ class Report:
 
 def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
     """(rewritten, left as is) records of the sites that belong to ``model``."""
-    backend = getattr(model, "geoscale", None)
+    call = geoscale_call(model)
+    backend = call.backend if call is not None else getattr(model, "geoscale", None)
     if isinstance(backend, GeoscaleBackend):
         return list(backend.records.values()), list(backend.skipped)
     inner = getattr(model, "_orig_mod", model)
@@ -116,4 +118,5 @@ def report(model: Any, per_head: bool = False) -> Report:
     done, skipped = site_records(model)
     rows = [row for record in done for row in _rows(record, per_head)]
     left = [{"site": r.site.name, "reason": r.note or r.site.reason} for r in skipped]
-    return Report(rows, left, int(getattr(model, "eager_calls", 0) or 0))
+    call = geoscale_call(model)
+    return Report(rows, left, call.eager_calls if call is not None else 0)

@@ -112,6 +112,11 @@ class GeoscaleState(nn.Module):
         super().__init__()
         self.sites = _Sites()
 
+    def forward(self, x, *args, **kwargs):
+        """The identity: a container model (``nn.Sequential``) calls every child, this one
+        included, and the state must not change what the model computes."""
+        return x
+
     def get_or_create(self, key: str, specs: list[StateSpec], device) -> SiteState:
         if key in self.sites:
             site = self.sites[key]

@@ -12,12 +12,13 @@ scaling state marks every site cold: the next call re-initialises from the loade
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
 
-from geoscale_fx.compiler import GeoscaleBackend
+from geoscale_fx.attach import STATE_ATTR, GeoscaleCall, compile_with_geoscale, geoscale_call
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
@@ -25,45 +26,50 @@ __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
 
 log = logging.getLogger("geoscale_fx")
 
-STATE_ATTR = "geoscale_state"
+
+class _ModelForward:
+    """``GeoscaleModule.forward``, with the wrapped model's ``forward`` signature.
+
+    HF ``Trainer`` reads ``inspect.signature(model.forward)`` to drop dataset columns; a
+    ``forward(*args, **kwargs)`` would make it drop every column. A non-data descriptor, so
+    that assigning ``wrapped.forward`` (accelerate's autocast under ``bf16=True``) still works.
+    """
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:      # on the class (HF's find_labels): a plain function
+            return _forward
+
+        @functools.wraps(obj._modules["model"].forward)
+        def forward(*args, **kwargs):
+            return obj._geoscale_call(*args, **kwargs)
+
+        return forward
+
+
+def _forward(self, *args, **kwargs):
+    return self._geoscale_call(*args, **kwargs)
 
 
 class GeoscaleModule(nn.Module):
     """A model compiled with the geoscale backend; state_dict and attributes are the model's."""
 
+    forward = _ModelForward()
+
     def __init__(self, model: nn.Module, options: GeoscaleOptions):
         super().__init__()
-        state = getattr(model, STATE_ATTR, None)
-        if not isinstance(state, GeoscaleState):
-            state = GeoscaleState()
-            model.add_module(STATE_ATTR, state)
+        if geoscale_call(model) is not None:
+            raise ValueError(f"geoscale_fx.wrap: {type(model).__name__} was already converted "
+                             "in place by geoscale_fx.apply_; call it directly")
         self.model = model
-        self.geoscale = GeoscaleBackend(options, state=state, owned=True)
-        # its own Dynamo cache: many wrapped instances of one class never hit the
-        # recompile limit (which would silently fall back to eager, without FP8)
-        self._compiled = torch.compile(model, backend=self.geoscale, isolate_recompiles=True)
-        self.eager_calls = 0   # calls in which none of our compiled graphs ran
-        if not getattr(model, "_geoscale_hooked", False):
-            model.register_load_state_dict_post_hook(_mark_cold_without_state)
-            model._geoscale_hooked = True
+        model._geoscale_wrapped = True     # apply_ on it would compile it a second time
+        self._geoscale_call: GeoscaleCall = compile_with_geoscale(
+            model, options, lambda **kw: torch.compile(model, **kw))
+        self.geoscale = self._geoscale_call.backend
 
-    def forward(self, *args, **kwargs):
-        runs = self.geoscale.runs
-        out = self._compiled(*args, **kwargs)
-        if self.geoscale.records and self.geoscale.runs == runs:
-            self._ran_eagerly()
-        return out
-
-    def _ran_eagerly(self) -> None:
-        """Dynamo ran the model without our graphs (recompile limit, a skipped frame): the
-        attention ran in high precision. Say so once, loudly, and count it for ``report``."""
-        self.eager_calls += 1
-        if self.eager_calls == 1:
-            log.warning(
-                "geoscale: %s ran eagerly, WITHOUT FP8 attention scaling: Dynamo did not run "
-                "its compiled graphs (torch._dynamo.config.recompile_limit=%d reached, or the "
-                "frame was skipped). geoscale_fx.report() counts these calls.",
-                type(self.model).__name__, torch._dynamo.config.recompile_limit)
+    @property
+    def eager_calls(self) -> int:
+        """Calls in which none of our compiled graphs ran (the model ran without FP8)."""
+        return self._geoscale_call.eager_calls
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
@@ -79,8 +85,9 @@ class GeoscaleModule(nn.Module):
                 # the model's own generate() calls its own, uncompiled forward
                 self.__dict__["_warned_generate"] = True
                 log.warning("geoscale: %s.generate() runs the model WITHOUT FP8 attention "
-                            "scaling: it calls the unwrapped forward (generate through "
-                            "geoscale is not supported yet)", type(self.model).__name__)
+                            "scaling: it calls the unwrapped forward; convert the model in "
+                            "place with geoscale_fx.apply_(model) to generate through "
+                            "geoscale", type(self.model).__name__)
             return getattr(self._modules["model"], name)
 
     @property
@@ -93,19 +100,10 @@ class GeoscaleModule(nn.Module):
         return report(self, per_head=per_head)
 
 
-def _mark_cold_without_state(module: nn.Module, incompatible) -> None:
-    """After ``load_state_dict``: weights without geoscale state (a plain checkpoint) load
-    fine, and every site re-initialises from them at the next call (a cold start)."""
-    state = getattr(module, STATE_ATTR, None)
-    if not isinstance(state, GeoscaleState):
-        return
-    missing = [k for k in incompatible.missing_keys if k.startswith(f"{STATE_ATTR}.")]
-    for key in missing:
-        incompatible.missing_keys.remove(key)
-    if missing:
-        state.mark_cold()
-
-
 def wrap(model: nn.Module, **options) -> GeoscaleModule:
-    """``model`` compiled with geoscale (options as in ``GeoscaleOptions``), state kept in it."""
+    """``model`` compiled with geoscale (options as in ``GeoscaleOptions``), state kept in it.
+
+    The wrapper form: a new module around ``model``. ``geoscale_fx.apply_(model)`` converts
+    the model in place instead (same class and methods: ``generate``, ``save_pretrained``).
+    """
     return GeoscaleModule(model, GeoscaleOptions.from_kwargs(**options))

@@ -136,3 +136,44 @@ def test_generate_through_the_wrapper_says_it_runs_without_fp8(caplog):
     warnings = [r.getMessage() for r in caplog.records if "generate()" in r.getMessage()]
     assert len(warnings) == 1 and "WITHOUT FP8" in warnings[0] and "LlamaForCausalLM" in \
         warnings[0]
+
+
+class _TinyAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qkv = torch.nn.LayerNorm(16), torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def _convert_three(isolate: bool) -> list:
+    """Three instances of one class converted in place (``isolate_recompiles`` as given),
+    each called once under recompile_limit=1; their report's steps."""
+    from geoscale_fx.attach import compile_with_geoscale
+    from geoscale_fx.config import GeoscaleOptions
+    from geoscale_fx.conversion import _module_compile
+
+    def convert(model):
+        model._compiled_call_impl = compile_with_geoscale(
+            model, GeoscaleOptions(compiler="aot_eager"),
+            lambda **kw: _module_compile(model, **{**kw, "isolate_recompiles": isolate}))
+        return model
+
+    models = [convert(_TinyAttention()) for _ in range(3)]
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        for model in models:
+            model(torch.randn(2, 5, 16))
+    return [[r["steps"] for r in geoscale_fx.report(m).rows] for m in models]
+
+
+def test_apply_gives_each_model_its_own_dynamo_cache():
+    """Many converted instances of one class: each compiles into its own cache. Through one
+    shared cache (the counter-check) every instance after the first is a recompile of the
+    same code, and past the recompile limit runs eagerly, without FP8."""
+    assert _convert_three(isolate=True) == [[1], [1], [1]]
+    torch._dynamo.reset()
+    assert _convert_three(isolate=False) == [[1], [], []]
+    models = [geoscale_fx.apply_(_TinyAttention(), compiler="aot_eager") for _ in range(2)]
+    assert all(m._compiled_call_impl.compiled._isolate_recompiles_id >= 0 for m in models)

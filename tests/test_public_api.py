@@ -54,3 +54,18 @@ def test_no_submodule_shadows_the_standard_library():
     stdlib = set(sys.stdlib_module_names)
     clashes = [n for n in _import_every_submodule() if n.rsplit(".", 1)[-1] in stdlib]
     assert clashes == []
+
+
+def test_in_place_and_wrapper_forms_are_exported():
+    """``apply_`` (in place, same object) and ``wrap`` (a wrapper module) are both public, with
+    the state file helpers; the in-place form returns the very module it was given."""
+    from geoscale_fx import conversion, serialization, wrapper
+
+    assert {"apply_", "wrap", "save_state", "load_state"} <= set(geoscale_fx.__all__)
+    assert geoscale_fx.apply_ is conversion.apply_ and geoscale_fx.wrap is wrapper.wrap
+    assert geoscale_fx.load_state is serialization.load_state
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True,
+                                             norm_first=True).eval()
+    assert geoscale_fx.apply_(layer, compiler="eager") is layer
+    assert type(layer) is torch.nn.TransformerEncoderLayer
+    assert isinstance(geoscale_fx.wrap(torch.nn.Linear(2, 2)), geoscale_fx.GeoscaleModule)

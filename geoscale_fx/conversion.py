@@ -1,0 +1,122 @@
+"""``geoscale_fx.apply_(model)``: convert a model in place, as torchao's ``quantize_`` does.
+
+    >>> import torch, geoscale_fx
+    >>> layer = torch.nn.TransformerEncoderLayer(32, 4, batch_first=True, norm_first=True)
+    >>> geoscale_fx.apply_(layer, compiler="aot_eager") is layer
+    True
+
+The model keeps its class, its ``forward`` signature and every method (``generate``,
+``save_pretrained``, ``config``, PEFT's methods): like ``nn.Module.compile``, ``apply_``
+routes the model's ``__call__`` through the geoscale backend, so whatever calls
+``model(...)`` — ``Trainer``, ``generate`` — runs compiled. The scaling state is the
+submodule ``geoscale_state`` (in ``state_dict``, see ``attach``); ``save_pretrained`` writes it
+to ``geoscale_state.safetensors`` beside the weights, and ``apply_`` on a model that
+``from_pretrained`` loaded from such a directory restores it (``serialization``).
+``wrap(model)`` is the wrapper form of the same thing.
+
+Refused, each with a ``ValueError`` naming the model: a model compiled already
+(``torch.compile``'s ``OptimizedModule``, or ``model.compile()``), a model wrapped by
+``wrap``, PEFT prefix tuning (its learned keys enter every attention as a KV cache, not
+through the key projection: no attention could be bounded), and ``apply_`` again with other
+options. ``apply_`` again with the same options changes nothing and says so.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import fields
+
+from torch import nn
+
+from geoscale_fx.attach import GeoscaleCall, compile_with_geoscale, geoscale_call
+from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
+                                       load_state)
+
+__all__ = ["apply_"]
+
+log = logging.getLogger("geoscale_fx")
+
+#: PEFT methods whose learned keys/values bypass the projections (PEFT's ``PeftType`` names)
+_PEFT_KV_METHODS = {"PREFIX_TUNING": "prefix tuning"}
+
+
+def apply_(model: nn.Module, **options) -> nn.Module:
+    """Compile ``model`` in place with the geoscale backend (options as in
+    ``GeoscaleOptions``) and return it: same object, same class, state in its state_dict."""
+    opts = GeoscaleOptions.from_kwargs(**options)
+    name = type(model).__name__
+    existing = geoscale_call(model)
+    if existing is not None:
+        return _again(model, existing, opts)
+    _check_convertible(model, name)
+    call = compile_with_geoscale(model, opts, lambda **kw: _module_compile(model, **kw))
+    model._compiled_call_impl = call
+    if callable(getattr(model, "save_pretrained", None)):   # Hugging Face / PEFT models
+        install_save_pretrained(model)
+        hook_trainer_resume()
+    _restore_beside_weights(model)
+    return model
+
+
+def _module_compile(model: nn.Module, **kwargs):
+    """What ``model.compile(**kwargs)`` installs, from a frame of ours: Dynamo skips the
+    frame of a ``torch.nn`` class's own forward (``model.compile()`` of an ``nn.Sequential``
+    or ``nn.TransformerEncoderLayer`` compiles nothing in torch 2.13 and runs eagerly)."""
+    import torch
+
+    def call(*args, **kw):
+        return model._call_impl(*args, **kw)
+
+    return torch.compile(call, **kwargs)
+
+
+def _again(model: nn.Module, existing: GeoscaleCall, opts: GeoscaleOptions) -> nn.Module:
+    """``apply_`` twice: idempotent with the same options, an error with others."""
+    name = type(model).__name__
+    if existing.options == opts:
+        log.warning("geoscale: apply_(%s) again: it is converted already, with the same "
+                    "options; nothing changed", name)
+        return model
+    changed = [f"{f.name}={getattr(opts, f.name)!r} (converted with "
+               f"{getattr(existing.options, f.name)!r})" for f in fields(GeoscaleOptions)
+               if getattr(opts, f.name) != getattr(existing.options, f.name)]
+    raise ValueError(f"geoscale_fx.apply_: {name} is converted already, with other options: "
+                     f"{', '.join(changed)}. Convert a fresh model (its scaling state is in "
+                     "model.state_dict()) instead of converting twice")
+
+
+def _check_convertible(model: nn.Module, name: str) -> None:
+    import torch._dynamo
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"geoscale_fx.apply_: expected an nn.Module, got {name}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        inner = type(model._orig_mod).__name__
+        raise ValueError(f"geoscale_fx.apply_: this {inner} is already compiled by "
+                         "torch.compile (an OptimizedModule): apply_ compiles it itself; pass "
+                         "the uncompiled module (compiled._orig_mod) instead")
+    if model._compiled_call_impl is not None:
+        raise ValueError(f"geoscale_fx.apply_: {name} was already compiled with "
+                         f"{name}.compile(); apply_ would replace that compile. Convert the "
+                         "module before compiling it (apply_ compiles it with geoscale)")
+    if model.__dict__.get("_geoscale_wrapped"):
+        raise ValueError(f"geoscale_fx.apply_: {name} is wrapped by geoscale_fx.wrap already; "
+                         "use either the wrapper or the in-place form, not both")
+    for peft_config in (getattr(model, "peft_config", None) or {}).values():
+        method = _PEFT_KV_METHODS.get(str(getattr(peft_config, "peft_type", "")).split(".")[-1])
+        if method is not None:
+            raise ValueError(
+                f"geoscale_fx.apply_: {name} uses PEFT {method}: its learned prefix keys and "
+                "values enter every attention as a KV cache, not through the key projection "
+                "of a normalized input, so no attention logit can be bounded and none would "
+                "use FP8 (LoRA, prompt tuning and P-tuning keep the projections)")
+
+
+def _restore_beside_weights(model: nn.Module) -> None:
+    """Restore ``geoscale_state.safetensors`` from the directory ``from_pretrained`` read."""
+    path = getattr(model, "name_or_path", None)
+    if isinstance(path, str) and path and os.path.isfile(os.path.join(path, STATE_FILE)):
+        if load_state(model, path):
+            log.info("geoscale: %s: scaling state restored from %s (warm start)",
+                     type(model).__name__, os.path.join(path, STATE_FILE))
