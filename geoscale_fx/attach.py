@@ -26,7 +26,7 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "attach_state", "compile_with_geoscale",
-           "geoscale_call"]
+           "compile_module", "disable_hf_auto_compile", "geoscale_call"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -114,9 +114,35 @@ def compile_with_geoscale(model: nn.Module, options: GeoscaleOptions,
     ``torch.compile`` of the model for ``wrap``, ``model.compile`` for ``apply_``.
     """
     state = attach_state(model)
+    disable_hf_auto_compile(model)
     backend = GeoscaleBackend(options, state=state, owned=True)
     compiled = compile_fn(backend=backend, isolate_recompiles=True)
     return GeoscaleCall(compiled, backend, type(model).__name__)
+
+
+def compile_module(model: nn.Module, **kwargs):
+    """What ``model.compile(**kwargs)`` installs, from a frame of ours.
+
+    It calls ``model._call_impl`` (not ``model(...)``), so it can be installed as the model's
+    ``_compiled_call_impl`` without calling itself; and Dynamo skips the frame of a
+    ``torch.nn`` class's own forward (``model.compile()`` of an ``nn.Sequential`` compiles
+    nothing in torch 2.13 and runs eagerly), which a function of ours avoids.
+    """
+    def call(*args, **kw):
+        return model._call_impl(*args, **kw)
+
+    return torch.compile(call, **kwargs)
+
+
+def disable_hf_auto_compile(model: nn.Module) -> None:
+    """Hugging Face ``generate`` compiles ``model.__call__`` itself with Inductor on GPUs with a
+    static cache; around geoscale's compiled call that would trace through it and bypass the
+    rewrite. geoscale compiles the model, so generate's own compile is turned off."""
+    config = getattr(model, "generation_config", None)
+    if config is not None and hasattr(config, "disable_compile") and not config.disable_compile:
+        config.disable_compile = True
+        log.info("geoscale: %s.generation_config.disable_compile = True (geoscale compiles "
+                 "the model itself)", type(model).__name__)
 
 
 def geoscale_call(model: Any) -> GeoscaleCall | None:

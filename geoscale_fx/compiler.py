@@ -28,7 +28,9 @@ from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import example_value
 from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.passes.site_model import AttentionSite
-from geoscale_fx.plan import GraphContext, SitePlan, Skip, burn_in_variant, plan_site
+from geoscale_fx.plan import (
+    GraphContext, SitePlan, Skip, burn_in_variant, plan_site, reuse_variant,
+)
 from geoscale_fx.runtime import GraphRuntime
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
 
@@ -83,13 +85,19 @@ class GeoscaleBackend:
         plans, states = self._plan_all(gm, example_inputs, sites)
         if not plans:
             return self._counted(self._compile(gm, list(example_inputs), fused=False))
+        for plan in plans:   # once per graph, whatever variants it compiles
+            counters["geoscale"][f"rewrite_{plan.lowering}"] += 1
+            for modifier in plan.site.modifiers:
+                counters["geoscale"][f"modifier_{modifier.kind}"] += 1
         lowerings = [p.lowering for p in plans]
         log.info("geoscale: %d attention sites, %d rewritten (fused %d, explicit %d, in-place "
                  "%d), %d left as is", len(sites), len(plans), lowerings.count("fused"),
                  lowerings.count("explicit"), lowerings.count("inplace"),
                  len(sites) - len(plans))
+        training = _graph_context(gm, sites, _placeholder_values(gm, example_inputs),
+                                  0).training
         runtime = GraphRuntime(gm, example_inputs, plans, states,
-                               self._variants(gm, example_inputs, plans, states),
+                               self._variants(gm, example_inputs, plans, states, training),
                                self.options.calib_steps, self._count_run)
         runtime.warm_up()
         return runtime
@@ -160,18 +168,22 @@ class GeoscaleBackend:
         return table[identity]
 
     # ---- compiled variants --------------------------------------------------------------
-    def _variants(self, gm, example_inputs, plans, states) -> dict:
-        """Builders of the graphs this graph may run: the predictive one, and for auto-α
-        the burn-in one (explicit lowering, slack ratios recorded)."""
-        tensors = [t for s in states for t in s.tensors()]
+    def _variants(self, gm, example_inputs, plans, states, training: bool) -> dict:
+        """Builders of the graphs this graph may run: the predictive one; for inference with
+        geometry scaling the one that reuses the weights' part of the bound while the weights
+        do not change (decode steps); for auto-α the burn-in one (explicit lowering, slack
+        ratios recorded)."""
+        tensors = [t for p, s in zip(plans, states) for t in s.tensors(p.state_names)]
         inputs = list(example_inputs) + tensors
-        names = [s.names for s in states]
+        names = [p.state_names for p in plans]
 
         def build(variant_plans):
             fused = any(p.lowering == "fused" for p in variant_plans)
             return lambda: self._compile(rewrite(gm, variant_plans, names), inputs, fused)
 
         variants = {"predict": build(plans)}
+        if self.options.scaling == "geometry" and not training:
+            variants["reuse"] = build([reuse_variant(p) for p in plans])
         if self.options.alpha == "auto":
             variants["burn_in"] = build([burn_in_variant(p) for p in plans])
         return variants
@@ -220,13 +232,14 @@ def _upstream_placeholders(gm: GraphModule, names: Sequence[str]) -> list[Node]:
         if node.op == "placeholder":
             found.append(node)
         stack.extend(node.all_input_nodes)
-    return found
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(found, key=order.__getitem__)     # graph order: the same in every graph
 
 
 def _owners(gm: GraphModule, site: AttentionSite, values: dict) -> WeakIdKeyDictionary:
     """The parameters a site reads: its weight expressions' inputs, or (sites the analysis
     could not trace) every parameter upstream of the attention node."""
-    roots = site.weight_nodes if site.supported else (site.node,)
+    roots = site.parameter_nodes if site.supported else (site.node,)
     owners = WeakIdKeyDictionary()
     for node in _upstream_placeholders(gm, roots):
         value = values.get(node.name)

@@ -28,7 +28,9 @@ from dataclasses import fields
 
 from torch import nn
 
-from geoscale_fx.attach import GeoscaleCall, compile_with_geoscale, geoscale_call
+from geoscale_fx.attach import (
+    GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
+)
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
@@ -50,25 +52,13 @@ def apply_(model: nn.Module, **options) -> nn.Module:
     if existing is not None:
         return _again(model, existing, opts)
     _check_convertible(model, name)
-    call = compile_with_geoscale(model, opts, lambda **kw: _module_compile(model, **kw))
+    call = compile_with_geoscale(model, opts, lambda **kw: compile_module(model, **kw))
     model._compiled_call_impl = call
     if callable(getattr(model, "save_pretrained", None)):   # Hugging Face / PEFT models
         install_save_pretrained(model)
         hook_trainer_resume()
     _restore_beside_weights(model)
     return model
-
-
-def _module_compile(model: nn.Module, **kwargs):
-    """What ``model.compile(**kwargs)`` installs, from a frame of ours: Dynamo skips the
-    frame of a ``torch.nn`` class's own forward (``model.compile()`` of an ``nn.Sequential``
-    or ``nn.TransformerEncoderLayer`` compiles nothing in torch 2.13 and runs eagerly)."""
-    import torch
-
-    def call(*args, **kw):
-        return model._call_impl(*args, **kw)
-
-    return torch.compile(call, **kwargs)
 
 
 def _again(model: nn.Module, existing: GeoscaleCall, opts: GeoscaleOptions) -> nn.Module:

@@ -13,6 +13,7 @@ estimator                      bound of term t                 state
 ``PowerSigma``                 one warm power step per call     u, v (warm), floor, sigma
 ``ExactNormProduct`` (RoPE)    ‖A_q,h‖‖A_k,g(h)‖ exact          norm_product
 ``PowerNormProduct`` (RoPE)    power steps on ‖A‖ per head      w_q, w_k (warm), floors
+``*ObservedKeys`` (KV cache)   ‖A_q,h‖ · max_j ‖k_j‖ (actual)    norm_product (+ w_q, floor_q)
 ============================  ==============================  =========================
 
 Per layer (the paper's granularity) the σ estimators use the concatenated heads, (1,).
@@ -39,7 +40,7 @@ from geoscale_fx.passes.site_model import HeadWeights, Term
 from geoscale_fx.state import StateSpec
 
 __all__ = ["Estimator", "ExactSigma", "PowerSigma", "ExactNormProduct", "PowerNormProduct",
-           "make_estimator"]
+           "ExactObservedKeys", "PowerObservedKeys", "make_estimator"]
 
 _COLD_TOLERANCE = 1e-4
 _COLD_MAX_ITERS = 1000
@@ -74,10 +75,22 @@ class Estimator:
         return 1 if self.per_layer else self.term.q.n_heads
 
     def specs(self) -> list[StateSpec]:
-        return [StateSpec(self.name(self.reports), (self.n_scale,))]
+        return [StateSpec(self.name(self.reports), (self.n_scale,)),
+                StateSpec(self.name("weight_bound"), (self.n_scale,))]
 
     def bound(self, hw: HeadWeights, state: dict) -> torch.Tensor:
         raise NotImplementedError
+
+    def full_step(self, hw: HeadWeights, state: dict) -> torch.Tensor:
+        """``bound`` from the current weights, keeping what depends on weights only."""
+        bound = self.bound(hw, state)
+        state[self.name("weight_bound")].copy_(bound)
+        return bound
+
+    def reuse(self, values: dict, state: dict) -> torch.Tensor:
+        """The bound when the weights did not change since the last full step (inference):
+        nothing is recomputed from them."""
+        return state[self.name("weight_bound")].double()
 
     def cold_start(self, hw: HeadWeights, state: dict,
                    generator: torch.Generator | None = None) -> int:
@@ -179,6 +192,72 @@ class PowerNormProduct(ExactNormProduct):
         return used
 
 
+class ExactObservedKeys(ExactNormProduct):
+    """Keys from a cache: ``s·m·(ρ_q‖A_q,h‖ + ‖c_q,h‖)·max_j‖k_g(h),j‖`` with the keys' actual
+    norms (computed in the graph every step: O(cache), as one decode step's ``q·Kᵀ``) and
+    the query side's exact spectral norms. The query factor is kept (``query_factor``, per
+    query head), so a step with unchanged weights costs the key norms only."""
+
+    def specs(self):
+        return [StateSpec(self.name(self.reports), (self.n_scale,)),
+                StateSpec(self.name("query_factor"), (self.term.q.n_heads,))]
+
+    def _query_factor(self, nq, hw) -> torch.Tensor:
+        cq = (torch.zeros_like(nq) if hw.c_q is None
+              else torch.linalg.vector_norm(hw.c_q.double(), dim=-1))
+        return (abs(self.softmax_scale) * self.term.operand_scale
+                * (self.term.q.radius * nq.double() + cq))
+
+    def _with_keys(self, query_factor, nk, state) -> torch.Tensor:
+        group = query_factor.shape[0] // nk.shape[0]
+        bound = query_factor * nk.double().repeat_interleave(group)
+        if self.per_layer:
+            bound = bound.amax().reshape(1)
+        state[self.name("norm_product")].copy_(bound / abs(self.softmax_scale))
+        return bound
+
+    def _query_norms(self, hw, state) -> torch.Tensor:
+        return spectral.head_spectral_norms(hw.a_q)
+
+    def bound(self, hw, state):
+        factor = self._query_factor(self._query_norms(hw, state), hw)
+        state[self.name("query_factor")].copy_(factor)
+        return self._with_keys(factor, hw.a_k.detach().reshape(-1), state)
+
+    def full_step(self, hw, state):
+        return self.bound(hw, state)
+
+    def reuse(self, values, state):
+        keys, _ = heads.observed_heads(self.term.k, values.__getitem__)
+        return self._with_keys(state[self.name("query_factor")].double(), keys.reshape(-1),
+                               state)
+
+
+class PowerObservedKeys(ExactObservedKeys):
+    """As ``ExactObservedKeys``, the query side's norms by warm power iteration (the same
+    state names as ``PowerNormProduct``'s query side, so prefill and decode share it)."""
+
+    def specs(self):
+        n_q, d_h = self.term.q.n_heads, self.term.q.head_dim
+        return super().specs() + [StateSpec(self.name("w_q"), (n_q, d_h), warm=True),
+                                  StateSpec(self.name("floor_q"), (n_q,))]
+
+    def _query_norms(self, hw, state):
+        floor = state[self.name("floor_q")]
+        est = spectral.head_norm_power_step(hw.a_q, state[self.name("w_q")], self.iters)
+        norms = torch.maximum(est.double(), floor.double())
+        floor.zero_()
+        return norms
+
+    def cold_start(self, hw, state, generator=None):
+        w = state[self.name("w_q")]
+        w.copy_(torch.nn.functional.normalize(torch.randn(w.shape, generator=generator), dim=-1))
+        exact = spectral.head_spectral_norms(hw.a_q)
+        state[self.name("floor_q")].copy_(exact)
+        return _converge(lambda: spectral.head_norm_power_step(hw.a_q, w), exact,
+                         self.cold_iters)
+
+
 def make_estimator(term: Term, index: int, softmax_scale: float, *, granularity: str,
                    estimator: str, rope_bound: str, power_iters: int = 1,
                    cold_start_iters: int = 5) -> Estimator:
@@ -190,6 +269,9 @@ def make_estimator(term: Term, index: int, softmax_scale: float, *, granularity:
     prefix = "" if index == 0 else f"t{index}_"
     power = estimator == "power"
     kwargs = dict(iters=power_iters, cold_iters=cold_start_iters)
+    if term.k.observed:
+        cls = PowerObservedKeys if power else ExactObservedKeys
+        return cls(term, prefix, softmax_scale, per_layer=granularity == "layer", **kwargs)
     if term.rope and rope_bound == "norm_product" and granularity == "head":
         cls = PowerNormProduct if power else ExactNormProduct
         return cls(term, prefix, softmax_scale, **kwargs)

@@ -120,8 +120,26 @@ def _normalized_heads(side: Side, resolve: Resolve
     return a, c
 
 
+def observed_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, None]:
+    """``A: (n, 1, 1)`` holding ``max_j ‖k_g,j‖`` per key head g of the observed keys (over
+    batch and positions), so that ``‖A_g‖₂`` is that norm and ``ρ = 1``: every key the
+    attention reads, cached or new, satisfies ``‖k‖ ≤ ‖A_g‖``. Zeros before the keys exist
+    (a cold start on the host evaluates parameters only)."""
+    keys = resolve(side.source.node)
+    n = side.n_heads
+    if not isinstance(keys, torch.Tensor):
+        return torch.zeros(n, 1, 1), None
+    head_axis, channel_axis = side.observed_axes
+    norms = torch.linalg.vector_norm(keys.detach().float(), dim=channel_axis)
+    head_axis = head_axis + 1 if head_axis < channel_axis else head_axis   # one dim less
+    norms = norms.movedim(head_axis, -1).reshape(-1, norms.shape[head_axis]).amax(dim=0)
+    return norms.reshape(n, 1, 1), None
+
+
 def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None."""
+    if side.observed:
+        return observed_heads(side, resolve)
     if side.weight is None:
         return _normalized_heads(side, resolve)
     weight = resolve(side.weight)

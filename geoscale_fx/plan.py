@@ -23,7 +23,7 @@ from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
 from geoscale_fx.state import StateSpec
 
-__all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant"]
+__all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant", "reuse_variant"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class SitePlan:
     n_scale: int                    # one scale per query head, or one per layer
     lowering_reason: str = ""       # why not fused (SDPA sites)
     calibrating: bool = False       # auto-α burn-in variant: observe S, record slack
+    #: the variant for calls whose weights did not change since the last full step (decode,
+    #: inference): the bound's weight part is read from the state, not recomputed
+    reuse_weights: bool = False
 
     @property
     def weight_names(self) -> tuple[str, ...]:
@@ -79,6 +82,11 @@ class SitePlan:
 
     def state_specs(self) -> list[StateSpec]:
         return common_specs(self.n_scale) + self.policy.specs()
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The state buffers this plan's program takes, in order."""
+        return tuple(s.name for s in self.state_specs())
 
 
 def _n_scale(site: AttentionSite, options: GeoscaleOptions) -> int:
@@ -119,6 +127,11 @@ def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
         lowering, why = _sdpa_lowering(site, options, policy, ctx)
     return SitePlan(site=site, options=options, key=key, lowering=lowering, policy=policy,
                     n_scale=n_scale, lowering_reason=why)
+
+
+def reuse_variant(plan: SitePlan) -> SitePlan:
+    """The form of a plan for a step whose weights are those of the previous full step."""
+    return replace(plan, reuse_weights=True)
 
 
 def burn_in_variant(plan: SitePlan) -> SitePlan:

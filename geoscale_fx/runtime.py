@@ -54,21 +54,34 @@ class GraphRuntime:
         self.gm, self.plans, self.states = gm, plans, states
         self.kinds = ValueKinds(gm.graph, example_inputs)
         self.by_name = {n.name: n for n in gm.graph.nodes}
-        self.tensors = [t for s in states for t in s.tensors()]
+        self.tensors = [t for p, s in zip(plans, states) for t in s.tensors(p.state_names)]
         self.variants = {name: _Lazy(build) for name, build in variants.items()}
         self.calib_steps = calib_steps
         self.on_run = on_run
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.param_positions = [i for i, n in enumerate(placeholders) if self.kinds.is_param(n)]
+        self.last_weights: tuple | None = None   # weights of the last full step
+        self.full_steps = self.reused_steps = 0
 
     def warm_up(self) -> None:
-        """Compile the variant the next call will use (so compile errors surface now)."""
+        """Compile the variants now, inside Dynamo's compile (a graph with symbolic shapes
+        compiled later would be specialized to the example shapes): the one the next call
+        uses, and the weight-reusing one of inference graphs."""
         self.variants["burn_in" if self.calibrating() else "predict"].get()
+        if "reuse" in self.variants:
+            self.variants["reuse"].get()
 
     def __call__(self, *args):
         cold = [(p, s) for p, s in zip(self.plans, self.states) if s.cold]
         if cold:
             self._cold_start(args, cold)
+            self.last_weights = None
         burn_in = self.calibrating()
-        compiled = self.variants["burn_in" if burn_in else "predict"].get()
+        weights = self.weights_signature(args)
+        reuse = (not burn_in and "reuse" in self.variants and weights is not None
+                 and weights == self.last_weights)
+        variant = "burn_in" if burn_in else "reuse" if reuse else "predict"
+        compiled = self.variants[variant].get()
         try:
             out = compiled(*args, *self.tensors)
         except RuntimeError:
@@ -76,8 +89,24 @@ class GraphRuntime:
             raise
         if burn_in:
             self._count_burn_in()
+        if reuse:
+            self.reused_steps += 1
+        else:
+            self.full_steps += 1
+            self.last_weights = weights if not burn_in else None
         self.on_run()
         return out
+
+    def weights_signature(self, args) -> tuple | None:
+        """Which parameter tensors this call reads, and their in-place version counters: equal
+        signatures mean the weights did not change (an optimizer step, ``load_state_dict`` and
+        any in-place write bump the counter). None when it cannot be known (inference-mode
+        tensors keep no counter; the weights are then recomputed every call)."""
+        try:
+            return tuple((id(a), a.data_ptr(), a._version) for a in
+                         (args[i] for i in self.param_positions) if isinstance(a, torch.Tensor))
+        except RuntimeError:
+            return None
 
     # ---- host-side phases ---------------------------------------------------------------
     def weights(self, args, plan: SitePlan) -> dict:

@@ -126,7 +126,8 @@ class ScalingPolicy:
     def specs(self) -> list[StateSpec]:
         return []
 
-    def predict(self, weights: dict, state: dict, seq_len) -> torch.Tensor:
+    def predict(self, weights: dict, state: dict, seq_len, reuse: bool = False
+                ) -> torch.Tensor:
         return torch.ones(1, device=state["scale"].device)
 
     def divisor_after(self, amax: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
@@ -157,7 +158,7 @@ class DelayedScaling(ScalingPolicy):
         return [StateSpec("history", (opt.delayed_history_len,), init, warm=True),
                 StateSpec("te_multiplier", (), 1.0)]
 
-    def predict(self, weights, state, seq_len):
+    def predict(self, weights, state, seq_len, reuse=False):
         if self.options.delayed_recipe == "paper":
             peak = state["history"].amax()
             return (peak / (bounds.fp8_max(self.options.fp8_format) * PAPER_DELAYED_ETA)
@@ -191,12 +192,18 @@ class GeometryScaling(ScalingPolicy):
         return [s for e in self.estimators for s in e.specs()] + self.alpha.specs()
 
     def _term_weights(self, weights: dict) -> list:
-        resolve = {k: v.detach() for k, v in weights.items()}.__getitem__
+        resolve = {k: v.detach() if isinstance(v, torch.Tensor) else v
+                   for k, v in weights.items()}.__getitem__
         return [heads.term_head_weights(t, resolve) for t in self.site.terms]
 
-    def predict(self, weights, state, seq_len):
-        hws = self._term_weights(weights)
-        total = sum(e.bound(hw, state) for e, hw in zip(self.estimators, hws))
+    def predict(self, weights, state, seq_len, reuse: bool = False):
+        if reuse:   # weights unchanged since the last full step: nothing recomputed from them
+            values = {k: v.detach() if isinstance(v, torch.Tensor) else v
+                      for k, v in weights.items()}
+            total = sum(e.reuse(values, state) for e in self.estimators)
+        else:
+            hws = self._term_weights(weights)
+            total = sum(e.full_step(hw, state) for e, hw in zip(self.estimators, hws))
         bound = heads.apply_modifiers(total, self.site.modifiers,
                                       lambda name: weights[name].detach())
         torch._assert_async(torch.isfinite(bound).all(),

@@ -57,8 +57,27 @@ class SiteState(nn.Module):
             value = spec.fill() if callable(spec.fill) else torch.full(spec.shape, spec.fill)
             self.register_buffer(spec.name, value.to(device=device, dtype=spec.dtype))
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, n) for n in self.names]
+    def tensors(self, names: tuple[str, ...] | None = None) -> list[torch.Tensor]:
+        """The buffers ``names`` (default: all), in that order."""
+        return [getattr(self, n) for n in (self.names if names is None else names)]
+
+    def fits(self, specs: list[StateSpec]) -> bool:
+        """Every buffer ``specs`` names that this state has, it has with that shape."""
+        return all(tuple(getattr(self, s.name).shape) == tuple(s.shape)
+                   for s in specs if s.name in self.names)
+
+    def extend(self, specs: list[StateSpec], device: torch.device) -> None:
+        """Add the buffers of ``specs`` this state lacks (another graph of the same site,
+        e.g. decode after prefill, needs state of its own). New buffers are initialised at
+        the next cold start, so the site is marked cold."""
+        new = [s for s in specs if s.name not in self.names]
+        for spec in new:
+            value = spec.fill() if callable(spec.fill) else torch.full(spec.shape, spec.fill)
+            self.register_buffer(spec.name, value.to(device=device, dtype=spec.dtype))
+        if new:
+            self.names = self.names + tuple(s.name for s in new)
+            self.warm_names = self.warm_names | {s.name for s in new if s.warm}
+            self.cold = True
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in self.names}
@@ -118,10 +137,12 @@ class GeoscaleState(nn.Module):
         return x
 
     def get_or_create(self, key: str, specs: list[StateSpec], device) -> SiteState:
+        """The state of site ``key``: one per site, whatever graph asks (prefill and decode
+        share it, each reading the buffers it needs), extended with buffers it lacks."""
         if key in self.sites:
             site = self.sites[key]
-            if site.names == tuple(s.name for s in specs) and all(
-                    tuple(getattr(site, s.name).shape) == tuple(s.shape) for s in specs):
+            if site.fits(specs):
+                site.extend(specs, torch.device(device))
                 return site
             log.info("geoscale: state of %s changed shape; re-initialised", key)
         site = SiteState(specs, torch.device(device))

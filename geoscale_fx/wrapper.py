@@ -15,10 +15,11 @@ from __future__ import annotations
 import functools
 import logging
 
-import torch
 from torch import nn
 
-from geoscale_fx.attach import STATE_ATTR, GeoscaleCall, compile_with_geoscale, geoscale_call
+from geoscale_fx.attach import (
+    STATE_ATTR, GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
+)
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
@@ -63,7 +64,7 @@ class GeoscaleModule(nn.Module):
         self.model = model
         model._geoscale_wrapped = True     # apply_ on it would compile it a second time
         self._geoscale_call: GeoscaleCall = compile_with_geoscale(
-            model, options, lambda **kw: torch.compile(model, **kw))
+            model, options, lambda **kw: compile_module(model, **kw))
         self.geoscale = self._geoscale_call.backend
 
     @property
@@ -81,14 +82,27 @@ class GeoscaleModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "generate" and not self.__dict__.get("_warned_generate"):
-                # the model's own generate() calls its own, uncompiled forward
-                self.__dict__["_warned_generate"] = True
-                log.warning("geoscale: %s.generate() runs the model WITHOUT FP8 attention "
-                            "scaling: it calls the unwrapped forward; convert the model in "
-                            "place with geoscale_fx.apply_(model) to generate through "
-                            "geoscale", type(self.model).__name__)
-            return getattr(self._modules["model"], name)
+            model = self._modules["model"]
+            value = getattr(model, name)
+            if callable(value) and getattr(value, "__self__", None) is model:
+                return self._through_geoscale(value)
+            return value
+
+    def _through_geoscale(self, method):
+        """``method`` of the model (``generate`` …) with every ``model(...)`` it makes going
+        through the geoscale-compiled call, as ``wrapped(...)`` does."""
+        model, call = self._modules["model"], self._geoscale_call
+
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            previous = model._compiled_call_impl
+            model._compiled_call_impl = call
+            try:
+                return method(*args, **kwargs)
+            finally:
+                model._compiled_call_impl = previous
+
+        return run
 
     @property
     def geoscale_state(self) -> GeoscaleState:

@@ -125,17 +125,25 @@ def test_left_as_is_sites_are_counted_and_reported():
 
 
 @pytest.mark.zoo
-def test_generate_through_the_wrapper_says_it_runs_without_fp8(caplog):
-    """generate() reaches the unwrapped model: until it is supported, it says so, once."""
-    wrapped = geoscale_fx.wrap(build_hf("llama-sdpa"), compiler="aot_eager")
+def test_generate_through_the_wrapper_runs_the_rewritten_model(caplog):
+    """``wrap(model).generate`` calls the geoscale-compiled forward for the prefill and every
+    decode step (one state per site, steps counted), with eager's tokens, nothing left as
+    is, and no warning."""
+    model = build_hf("llama-sdpa")
     ids = torch.randint(0, 128, (1, 4))
+    expected = model.generate(ids, max_new_tokens=3, do_sample=False)
+    wrapped = geoscale_fx.wrap(model, compiler="aot_eager")
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
-        out = wrapped.generate(ids, max_new_tokens=2, do_sample=False)
-        wrapped.generate(ids, max_new_tokens=1, do_sample=False)
-    assert out.shape == (1, 6)
-    warnings = [r.getMessage() for r in caplog.records if "generate()" in r.getMessage()]
-    assert len(warnings) == 1 and "WITHOUT FP8" in warnings[0] and "LlamaForCausalLM" in \
-        warnings[0]
+        out = wrapped.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, expected)
+    assert not [r for r in caplog.records if "WITHOUT FP8" in r.getMessage()]
+    report = wrapped.report()
+    assert not report.skipped and wrapped.eager_calls == 0
+    n_layers = model.config.num_hidden_layers
+    assert len(report.rows) == n_layers                 # one row (one state) per site
+    assert all(row["steps"] == 3 for row in report.rows)   # prefill + 2 decode steps
+    # the model's own methods still work, and its forward is not left patched
+    assert model._compiled_call_impl is None
 
 
 class _TinyAttention(torch.nn.Module):
@@ -153,12 +161,12 @@ def _convert_three(isolate: bool) -> list:
     each called once under recompile_limit=1; their report's steps."""
     from geoscale_fx.attach import compile_with_geoscale
     from geoscale_fx.config import GeoscaleOptions
-    from geoscale_fx.conversion import _module_compile
+    from geoscale_fx.attach import compile_module
 
     def convert(model):
         model._compiled_call_impl = compile_with_geoscale(
             model, GeoscaleOptions(compiler="aot_eager"),
-            lambda **kw: _module_compile(model, **{**kw, "isolate_recompiles": isolate}))
+            lambda **kw: compile_module(model, **{**kw, "isolate_recompiles": isolate}))
         return model
 
     models = [convert(_TinyAttention()) for _ in range(3)]

@@ -93,9 +93,9 @@ def test_apply_converts_in_place_and_generate_runs_compiled():
     out = model.generate(torch.randint(0, 128, (1, 4)), max_new_tokens=2, do_sample=False)
     assert out.shape == (1, 6)
     report = geoscale_fx.report(model)
-    # the prefill ran through geoscale (decode reads a KV cache: left as is until issue 9)
-    assert [row["steps"] for row in report.rows] == [1, 1]
-    assert counters["geoscale"]["rewrite_fused"] == 2 and report.eager_calls == 0
+    # the prefill and the decode step ran through geoscale, one state per site
+    assert [row["steps"] for row in report.rows] == [2, 2] and not report.skipped
+    assert counters["geoscale"]["rewrite_fused"] == 4 and report.eager_calls == 0
     assert {f"geoscale_state.sites.{s}.scale" for s in SITES} <= set(model.state_dict())
 
 

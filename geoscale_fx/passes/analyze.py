@@ -15,7 +15,9 @@ from torch.fx import GraphModule, Node
 
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
-from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, op_of, shape_of
+from geoscale_fx.passes.graph_ops import (
+    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, module_path, op_of, shape_of,
+)
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
     trace_normalized_input, trace_operand,
@@ -153,10 +155,16 @@ def _pair_heads(cand: Candidate, q: HeadRows, k: HeadRows) -> tuple[list[int], t
 def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
     checkers = {role: AngleChecker(evaluator) for role in ("query", "key")}
     q_trace = trace_operand(cand.query, kinds, checkers["query"], "query", order)
-    k_trace = trace_operand(cand.key, kinds, checkers["key"], "key", order)
-    q_track, k_track = q_trace.track, k_trace.track
+    q_track = q_trace.track
     if cand.query_perm is not None:
         q_track = q_track.map(lambda t: t.permute(cand.query_perm))
+    try:
+        k_trace = trace_operand(cand.key, kinds, checkers["key"], "key", order)
+    except Unsupported as exc:
+        if not _reads_cache(cand.key):
+            raise
+        return _analyze_cached_keys(cand, kinds, q_trace, q_track, checkers["query"], exc)
+    k_track = k_trace.track
     if cand.key_layout == "dk":
         k_track = k_track.map(lambda t: t.transpose(-1, -2))
     elif cand.key_perm is not None:
@@ -179,6 +187,62 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
         terms.append(Term(*sides))
     return _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
                    k_track.shape[-2], q_rows.head_of_row)
+
+
+_FACTORIES = (torch.zeros, torch.empty, torch.full, torch.ones)
+
+
+def _reads_cache(key: Node) -> bool:
+    """The key reads a graph input or a buffer through data movement only (a KV cache:
+    ``cat([past, k])``, a static cache written by ``index_copy_``, keys passed in)."""
+    stack, seen = [key], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            return True
+        if node.op == "call_function" and node.target in _FACTORIES and any(
+                u.op == "call_method" and u.target in ("index_copy_", "copy_")
+                for u in node.users):
+            return True   # a static cache allocated in this graph, then written in place
+        op = op_of(node)
+        if op in DATA_MOVEMENT or op in VALUE_CASTS or op in ("cat", "stack") or (
+                node.op == "call_method" and node.target in ("index_copy_", "copy_")):
+            stack.extend(node.all_input_nodes)
+    return False
+
+
+def _analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTrace,
+                         q_track: Track, checker: AngleChecker, why: Unsupported) -> dict:
+    """Keys that are not all a projection of this call (a KV cache): the query side is bound
+    by its weights, the keys by their actual norms, every step (``Side.observed``).
+
+    ``|S| = s·|q_h·k_j| ≤ s·‖q_h‖·max_j‖k_j‖`` with ``‖q_h‖ ≤ ρ‖A_q,h‖ + ‖c_q,h‖`` (times
+    rotary and position gains): certified whoever wrote the cache, whatever weights wrote it.
+    """
+    shape = shape_of(cand.key) or ()
+    if len(shape) != 4 or cand.key_perm is not None:
+        raise Unsupported(f"{why} — and the cached key `{cand.key.name}` (shape {shape}) is "
+                          "not laid out (batch, heads, positions, d_h)")
+    axes = (-3, -2) if cand.key_layout == "dk" else (-3, -1)
+    n_k, length = shape[-3], shape[-1] if cand.key_layout == "dk" else shape[-2]
+    q_rows = head_rows(q_track, cand.query, "query")
+    _check_rotations_whole(cand, "query", q_rows, checker)
+    n_q = len(q_rows.features)
+    q_map = q_rows.head_of_row
+    if q_map.dim() < 1 or q_map.shape[-1] != n_q or \
+            not bool((q_map == torch.arange(n_q)).all()) or n_q % n_k:
+        raise Unsupported(f"`{cand.node.name}`: query heads {tuple(q_map.shape)} do not map "
+                          f"onto the {n_k} heads of the cached key `{cand.key.name}`")
+    q_side = _side_of(q_trace, q_rows, checker, kinds)
+    q_side = replace(q_side, position_gain=_position_gain(cand, "query", q_rows, checker))
+    k_side = Side(source=Source(norm="observed", node=cand.key.name, width=1), weight=None,
+                  layout="observed", features=tuple((g,) for g in range(n_k)),
+                  observed_axes=axes)
+    return _fields(cand, [Term(q_side, k_side)], q_rows.gain, q_track.shape[-2], length,
+                   q_rows.head_of_row)
 
 
 def _term_channels(cand: Candidate, q, k, checkers) -> list[list[int]]:

@@ -7,8 +7,7 @@ softcap's output) is routed through ``program(logits, *weights, *state)``, which
 in place of the original and leaves the model's mask, softmax and ``· V`` as they were.
 ``weights`` are the graph's own parameter nodes (placeholders under Dynamo), so the scale
 follows the weights every step; ``state`` are new placeholders appended to the graph. Sites
-without a plan are not touched. ``counters["geoscale"]["rewrite_<lowering>"]`` counts every
-replacement, ``counters["geoscale"]["modifier_<kind>"]`` the score modifiers handled.
+without a plan are not touched.
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import copy
 from typing import Callable, Sequence
 
 import torch
-from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx import scaling
@@ -37,7 +35,7 @@ def _per_scale_amax(plan: SitePlan, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _predict(plan: SitePlan, weights: dict, state: dict, seq_len) -> torch.Tensor:
-    divisor = plan.policy.predict(weights, state, seq_len)
+    divisor = plan.policy.predict(weights, state, seq_len, reuse=plan.reuse_weights)
     state["scale"].copy_(divisor.expand_as(state["scale"]))
     return divisor
 
@@ -192,9 +190,6 @@ def rewrite(gm: GraphModule, plans: Sequence[SitePlan],
         weights = [by_name[w] for w in plan.weight_names]
         replace = _replace_inplace if plan.lowering == "inplace" else _replace_sdpa
         replace(graph, by_name, plan, names, weights, nodes)
-        counters["geoscale"][f"rewrite_{plan.lowering}"] += 1
-        for modifier in plan.site.modifiers:
-            counters["geoscale"][f"modifier_{modifier.kind}"] += 1
     graph.lint()
     # a fresh GraphModule: without Dynamo's metadata, which aot_autograd would insist on
     return GraphModule(gm, graph)

@@ -107,6 +107,10 @@ class Side:
     #: bound on a per-position scalar multiplier of the operand (Llama-4's attention
     #: temperature): ``q_m = t_m · (A_hᵀ x̂_m + c_h)`` with ``|t_m| ≤ position_gain``
     position_gain: float = 1.0
+    #: ``layout == "observed"`` (keys from a KV cache, not a projection of this call): the
+    #: (head axis, channel axis) of the key tensor ``source.node`` whose actual norms bound
+    #: the keys every step; ``features[g] == (g,)`` names key head g
+    observed_axes: tuple[int, int] = ()
 
     @property
     def n_heads(self) -> int:
@@ -123,11 +127,15 @@ class Side:
     @property
     def model_dim(self) -> int:
         """The width of the vector ``A_h`` maps (its rows)."""
+        if self.observed:
+            return 1
         return self.head_dim if self.weight is None else self.source.width
 
     @property
     def node_names(self) -> tuple[str, ...]:
         """Graph nodes whose values this side's weights are computed from."""
+        if self.layout == "observed":
+            return (self.source.node,)
         names = [self.weight] if self.weight is not None else []
         names += [self.bias] if self.bias is not None else []
         names += [v for _, v in self.source.channel_ops if isinstance(v, str)]
@@ -136,6 +144,11 @@ class Side:
     @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(n for n in (self.weight_param, self.bias_param) if n)
+
+    @property
+    def observed(self) -> bool:
+        """Keys bounded by their actual norms (a cache), not by weights."""
+        return self.layout == "observed"
 
 
 @dataclass(frozen=True)
@@ -259,6 +272,13 @@ class AttentionSite:
         """Every graph node the bound reads (weights, biases, gains), in a stable order."""
         terms = [n for t in self.terms for n in t.node_names]
         return tuple(dict.fromkeys(terms + [m.param for m in self.modifiers if m.param]))
+
+    @property
+    def parameter_nodes(self) -> tuple[str, ...]:
+        """``weight_nodes`` without the observed keys (activations): what the site's
+        parameters are computed from."""
+        observed = {t.k.source.node for t in self.terms if t.k.observed}
+        return tuple(n for n in self.weight_nodes if n not in observed)
 
     def modifier(self, kind: str) -> Optional[Modifier]:
         return next((m for m in self.modifiers if m.kind == kind), None)
