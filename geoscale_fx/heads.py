@@ -143,6 +143,11 @@ def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[tor
     if side.weight is None:
         return _normalized_heads(side, resolve)
     weight = resolve(side.weight)
+    if side.inner is not None:           # s·B·A
+        weight = side.weight_scale * (weight @ resolve(side.inner))
+    for a, b, ratio in side.low_rank:   # W + ratio·B·A (LoRA), both oriented like W
+        extra = resolve(b) if a is None else resolve(b) @ resolve(a)
+        weight = weight + ratio * (extra if side.layout == "linear" else extra.t())
     w_heads = gather_heads(weight, side.layout, side.features)
     bias = resolve(side.bias) if side.bias is not None else None
     bias_heads = gather_bias(bias, side.features, side.bias_offset)

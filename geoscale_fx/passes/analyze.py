@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import (
-    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, module_path, op_of, shape_of,
+    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, module_path, op_of, parameter_name, shape_of,
 )
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
@@ -179,14 +179,13 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     k_rows = replace(k_rows, features=k_features)
     terms = []
     for channels in _term_channels(cand, (q_trace, q_rows), (k_trace, k_rows), checkers):
-        sides = []
-        for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
-                                         ("key", k_trace, k_track, k_rows)):
-            sides.append(_term_side(cand, role, trace, track, rows, channels, checkers[role],
-                                    kinds))
-        terms.append(Term(*sides))
+        q_sides, k_sides = (
+            _term_side(cand, role, trace, track, rows, channels, checkers[role], kinds)
+            for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
+                                             ("key", k_trace, k_track, k_rows)))
+        terms += [Term(q, k) for q in q_sides for k in k_sides]
     return _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
-                   k_track.shape[-2], q_rows.head_of_row)
+                   k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1])
 
 
 _FACTORIES = (torch.zeros, torch.empty, torch.full, torch.ones)
@@ -276,10 +275,13 @@ def _check_rotations_within(cand, role, rows: HeadRows, checker: AngleChecker, t
                      "one projection with a channel of another")
 
 
-def _term_side(cand, role, trace, track, rows: HeadRows, channels, checker, kinds) -> Side:
-    """One term's side: the head channels ``channels`` of the operand."""
+def _term_side(cand, role, trace, track, rows: HeadRows, channels, checker, kinds
+               ) -> list[Side]:
+    """The sides of the head channels ``channels`` of the operand (one, or one per map
+    added to the projection with an input of its own)."""
     if len(trace.projections) == 1 and len(channels) == track.shape[-1]:
         side = _side_of(trace, rows, checker, kinds, features=rows.features)
+        sides = _fold_sums(cand, role, trace, 0, rows, side, checker, kinds)
     else:
         index = torch.tensor(channels)
         sub = Track(*(bc.take_last(t, index) for t in track.fields()))
@@ -292,7 +294,54 @@ def _term_side(cand, role, trace, track, rows: HeadRows, channels, checker, kind
                                                 for head in rows.features))
         side = _side_of(part, replace(rows, features=features), checker, kinds,
                         features=features, offset=offset)
-    return replace(side, position_gain=_position_gain(cand, role, rows, checker))
+        sides = _fold_sums(cand, role, trace, root, rows, side, checker, kinds)
+    gain = _position_gain(cand, role, rows, checker)
+    return [replace(side, position_gain=gain) for side in sides]
+
+
+def _fold_sums(cand, role, trace, root: int, rows: HeadRows, side: Side, checker,
+               kinds) -> list[Side]:
+    """Maps added to this side's projection output (a LoRA adapter ``s·B(A x)`` added to
+    ``W x``; feature f of the sum is feature f of each map): folded into its weight,
+    ``W + s·B·A``, when they read the same normalized source; else (adapter dropout in
+    training: ``A`` reads ``dropout(x)``) each is a side of its own — ``q·k`` is then the
+    sum over every pair of query and key sides, one term each. Anything else names the
+    ``add``."""
+    if not checker.sums or side.weight is None:
+        return [side]
+    offset = trace.projections[root][1]
+    mine = torch.tensor(sorted({f for head in rows.features for f in head}))
+    extras, params, separate = [], [], []
+    for kept, added, ratio in checker.sums:
+        inside = torch.isin(kept.long(), mine)
+        if not bool(inside.any()):
+            continue
+        mix = Unsupported(f"`{cand.node.name}`: the {role} adds to its projection a map that "
+                          "is not a second map of the same features (a mix of two projections)")
+        kept, added = kept[inside], added[inside]    # a fused QKV: this side's features only
+        other = trace.root_of(added)
+        if not bool((other == other[0]).all()) or not bool(torch.isin(mine, kept.long()).all()):
+            raise mix
+        projection, other_offset = trace.projections[int(other[0])]
+        if int(other[0]) == root or not bool(((added - other_offset) == (kept - offset)).all()):
+            raise mix
+        if projection.bias is not None or projection.layout != "linear":
+            raise Unsupported(f"`{cand.node.name}`: the {role}'s added map "
+                              f"`{projection.root.name}` has a bias or a dense weight layout")
+        source = _source(trace_normalized_input(projection.x, kinds, projection.root))
+        inner = projection.inner.name if projection.inner is not None else None
+        names = tuple(parameter_name(n) for n in (projection.inner, projection.weight)
+                      if n is not None and n.op == "placeholder")
+        if source == side.source:      # one source, two maps: W + s·B·A
+            extras.append((inner, projection.weight.name, ratio))
+            params += names
+        else:                          # adapter dropout: its own input, a term of its own
+            separate.append(replace(side, source=source, weight=projection.weight.name,
+                                    layout="linear", inner=inner, weight_scale=ratio, bias=None,
+                                    weight_param=names[-1], bias_param="",
+                                    low_rank=(), low_rank_params=names[:-1]))
+    main = replace(side, low_rank=tuple(extras), low_rank_params=tuple(params))
+    return [main] + separate
 
 
 def _position_gain(cand: Candidate, role: str, rows: HeadRows, checker: AngleChecker
@@ -335,13 +384,14 @@ def _partners_within(checker: AngleChecker, groups, message: str) -> None:
                 raise Unsupported(message)
 
 
-def _fields(cand, terms: list[Term], gain, q_len, kv_len, head_of_row) -> dict:
+def _fields(cand, terms: list[Term], gain, q_len, kv_len, head_of_row,
+            head_dim: int | None = None) -> dict:
     if not math.isfinite(cand.scale):
         raise Unsupported(f"`{cand.node.name}`: the softmax scale is not a compile-time constant")
     score_heads, score_lead = score_head_period(head_of_row)
     return dict(
         n_q_heads=terms[0].q.n_heads, n_kv_heads=terms[0].k.n_heads,
-        head_dim=sum(t.q.head_dim for t in terms),
+        head_dim=head_dim or terms[0].q.head_dim,
         softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
         has_mask=cand.has_mask, dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len,
         terms=tuple(terms),

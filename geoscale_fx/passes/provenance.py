@@ -37,6 +37,8 @@ class ProjectionOp:
     weight: Node
     layout: str                   # "linear": W (F, d);  "dense": W (d, F)
     bias: Optional[Node]
+    #: a low-rank chain ``linear(linear(x, A), B)`` (a LoRA adapter): W = B·A, ``inner`` = A
+    inner: Optional[Node] = None
 
 
 @dataclass
@@ -71,6 +73,10 @@ def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
     if op == "linear":
         x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
         if kinds.is_activation(x) and kinds.is_param(w) and (b is None or kinds.is_param(b)):
+            if b is None and op_of(x) == "linear" and len(x.users) == 1 and \
+                    arg(x, 2, "bias") is None and kinds.is_param(x.args[1]) and \
+                    kinds.is_activation(x.args[0]):
+                return ProjectionOp(node, x.args[0], w, "linear", None, inner=x.args[1])
             return ProjectionOp(node, x, w, "linear", b)
     elif op == "addmm":
         b, x, w = node.args[0], node.args[1], node.args[2]

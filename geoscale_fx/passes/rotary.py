@@ -92,6 +92,9 @@ class AngleChecker:
         self.partners: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: (bound on |t|, features it multiplied) of each per-position scalar multiplier
         self.multipliers: list[tuple[float, torch.Tensor]] = []
+        #: (features kept, features added to them, ratio of gains): a sum of two maps of
+        #: the projections' outputs (a LoRA adapter's ``B A x`` added to ``W x``)
+        self.sums: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
     def record(self, rotary: Rotary) -> None:
         self.rotaries.append(rotary)

@@ -111,6 +111,14 @@ class Side:
     #: (head axis, channel axis) of the key tensor ``source.node`` whose actual norms bound
     #: the keys every step; ``features[g] == (g,)`` names key head g
     observed_axes: tuple[int, int] = ()
+    #: maps of the same source added to the weight's output (LoRA adapters): the effective
+    #: weight is ``W + Σ ratio · B·A`` (``A`` None: a full second weight ``B``), node names
+    low_rank: tuple[tuple[Optional[str], str, float], ...] = ()
+    low_rank_params: tuple[str, ...] = ()
+    #: the weight is ``weight_scale · weight · inner`` (an adapter ``s·B·A`` whose input is
+    #: not its base projection's, e.g. under adapter dropout: a term of its own)
+    inner: Optional[str] = None
+    weight_scale: float = 1.0
 
     @property
     def n_heads(self) -> int:
@@ -137,13 +145,16 @@ class Side:
         if self.layout == "observed":
             return (self.source.node,)
         names = [self.weight] if self.weight is not None else []
+        names += [self.inner] if self.inner is not None else []
+        names += [n for a, b, _ in self.low_rank for n in (a, b) if n is not None]
         names += [self.bias] if self.bias is not None else []
         names += [v for _, v in self.source.channel_ops if isinstance(v, str)]
         return tuple(names)
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.weight_param, self.bias_param) if n)
+        return tuple(n for n in (self.weight_param, self.bias_param) if n) + \
+            self.low_rank_params
 
     @property
     def observed(self) -> bool:

@@ -187,6 +187,8 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
         return _replay_concat(node, env, op, checker)
     if op in ("add", "sub"):
         terms = [env.get(a) if isinstance(a, Node) else None for a in node.args[:2]]
+        if all(isinstance(t, Track) for t in terms):
+            return _replay_sum(node, *terms, checker, negate=op == "sub")
         return rotary.combine(node, terms, checker, negate=op == "sub")
     if op in VALUE_CASTS and isinstance(node.args[0], Node) and node.args[0] in env:
         return env[node.args[0]]   # ``x.type_as(y)``: y (even if tracked) only lends a dtype
@@ -228,6 +230,29 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
         return _apply(node, tracked, env, op)
     raise Unsupported(f"`{node.name}` ({op or node.target}) on the path from the projection "
                       "is not a reshape, slice, cast, scalar scale or rotary embedding")
+
+
+def _replay_sum(node: Node, main: Track, extra: Track, checker: AngleChecker,
+                negate: bool) -> Track:
+    """``main ± extra`` element by element (a LoRA adapter's output added to the base
+    projection's): kept as ``main``'s elements, the pairs recorded in ``checker.sums`` for
+    the analysis to fold ``extra``'s weights into ``main``'s (same source) or make it a term
+    of its own."""
+    if main.shape != extra.shape or not bc.all_equal(main.tok, extra.tok) or \
+            bool((bc.compact(main.rot) > 0).any()) or bool((bc.compact(extra.rot) > 0).any()):
+        raise Unsupported(f"`{node.name}` adds to the query/key something other than a rotary "
+                          "embedding's second half (e.g. a bias after reshaping, or a mix of "
+                          "two projections)")
+    ratio = bc.compact(extra.gain) / bc.compact(main.gain)
+    ratio = ratio.reshape(-1)
+    if not bool((ratio == ratio[0]).all()):
+        raise Unsupported(f"`{node.name}` adds two projections scaled non-uniformly")
+    # both compacted along the dims broadcast in both, so that elements stay paired
+    index = tuple(slice(0, 1) if size > 1 and a == 0 and b == 0 else slice(None)
+                  for size, a, b in zip(main.shape, main.feat.stride(), extra.feat.stride()))
+    kept, added = main.feat[index].reshape(-1), extra.feat[index].reshape(-1)
+    checker.sums.append((kept, added, float(-ratio[0] if negate else ratio[0])))
+    return main
 
 
 def _replay_concat(node: Node, env: dict[Node, Any], op: str, checker: AngleChecker
