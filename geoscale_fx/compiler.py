@@ -71,6 +71,7 @@ class GeoscaleBackend:
         self.compiles = 0
         self.runs = 0          # calls of compiled graphs with rewritten sites (host counter)
         self.graph_calls = 0   # calls of any graph this backend compiled (rewritten or not)
+        self.runtimes: list = []   # GraphRuntime of every graph with rewritten sites
         _BACKENDS.add(self)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
@@ -100,6 +101,7 @@ class GeoscaleBackend:
                                self._variants(gm, example_inputs, plans, states, training),
                                self.options.calib_steps, self._count_run)
         runtime.warm_up()
+        self.runtimes.append(runtime)
         return runtime
 
     def _count_run(self) -> None:
