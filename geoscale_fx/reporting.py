@@ -26,7 +26,7 @@ __all__ = ["Report", "report", "site_records"]
 _COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
             "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
-            "steps", "certified")
+            "steps", "cached_steps", "certified")
 
 
 @dataclass
@@ -108,7 +108,9 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
             "max_scaled": pick(values["max_scaled_ever"]) if observed else None,
             "overflow_steps": int(values["overflow_steps"]) if observed else None,
             "utilization": pick(values["max_scaled"]) / fmt_max if observed else None,
-            "steps": int(values["steps"]), "certified": _certified(record),
+            "steps": int(values["steps"]),
+            "cached_steps": int(values["cached_steps"]) if "cached_steps" in values else 0,
+            "certified": _certified(record),
         })
     return rows
 

@@ -43,7 +43,7 @@ class NonFiniteWeights(ValueError):
 
 def common_specs(n_scale: int) -> list[StateSpec]:
     """What every scaled site records (read by ``report``)."""
-    return [StateSpec("steps", ()), StateSpec("bound", (n_scale,)),
+    return [StateSpec("steps", ()), StateSpec("cached_steps", ()), StateSpec("bound", (n_scale,)),
             StateSpec("scale", (n_scale,), 1.0), StateSpec("amax", (n_scale,)),
             StateSpec("max_scaled", (n_scale,)), StateSpec("max_scaled_ever", (n_scale,)),
             StateSpec("overflow_heads", (n_scale,)), StateSpec("overflow_steps", ())]
@@ -255,5 +255,8 @@ def observe(policy: ScalingPolicy, amax: torch.Tensor, divisor: torch.Tensor,
     policy.learn(amax, state)
 
 
-def finish_step(state: dict) -> None:
+def finish_step(state: dict, cached_keys: bool = False) -> None:
+    """Count the step (``cached_steps``: the keys read a KV cache, i.e. a decode step)."""
     state["steps"].add_(1.0)
+    if cached_keys:
+        state["cached_steps"].add_(1.0)

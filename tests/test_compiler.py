@@ -142,6 +142,7 @@ def test_generate_through_the_wrapper_runs_the_rewritten_model(caplog):
     n_layers = model.config.num_hidden_layers
     assert len(report.rows) == n_layers                 # one row (one state) per site
     assert all(row["steps"] == 3 for row in report.rows)   # prefill + 2 decode steps
+    assert all(row["cached_steps"] == 2 for row in report.rows)   # the decode steps
     # the model's own methods still work, and its forward is not left patched
     assert model._compiled_call_impl is None
 

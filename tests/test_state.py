@@ -159,9 +159,26 @@ def test_get_or_create_returns_the_same_site_for_the_same_layout():
     assert list(gs.sites) == ["blk"]
 
 
-@pytest.mark.parametrize("changed", [_specs(n=5), _specs(d=7), _specs()[:-1]])
+def test_get_or_create_shares_one_state_between_graphs_of_a_site():
+    """Another graph of the same site (decode after prefill) gets the same SiteState: a
+    subset of its buffers as they are, new buffers added (and the site marked cold, so that
+    they are initialised from the weights)."""
+    gs = GeoscaleState()
+    a = gs.get_or_create("blk", _specs(), "cpu")
+    a.scale.fill_(3.0)
+    a.cold = False
+    assert gs.get_or_create("blk", _specs()[:-1], "cpu") is a and not a.cold
+    extra = StateSpec("w_extra", (2,), 5.0, warm=True)
+    b = gs.get_or_create("blk", _specs() + [extra], "cpu")
+    assert b is a and b.cold and b.names[-1] == "w_extra"
+    assert torch.equal(b.w_extra, torch.full((2,), 5.0))
+    assert torch.equal(b.scale, torch.full((3,), 3.0))          # kept
+    assert [t.shape for t in b.tensors(("w_extra", "scale"))] == [(2,), (3,)]
+
+
+@pytest.mark.parametrize("changed", [_specs(n=5), _specs(d=7)])
 def test_get_or_create_reinitialises_when_the_layout_changes(changed):
-    """Another shape (or set of names) under a key replaces the site with a fresh one."""
+    """Another shape under a key replaces the site with a fresh one."""
     gs = GeoscaleState()
     a = gs.get_or_create("blk", _specs(), "cpu")
     a.scale.fill_(3.0)

@@ -65,7 +65,7 @@ def _sdpa_program(plan: SitePlan, state_names: Sequence[str], call: dict) -> Cal
                 return _observe(plan, _per_scale_amax(plan, logits), divisor, state)
             out = explicit_attention(q, k, v, attn_mask, fmt=opt.fp8_format,
                                      divisor_of=divisor_of, **call)
-        scaling.finish_step(state)
+        scaling.finish_step(state, plan.site.cached_keys)
         return out.to(q.dtype)
     return program
 
@@ -87,7 +87,7 @@ def _inplace_program(plan: SitePlan, state_names: Sequence[str], unit: float) ->
         weights = dict(zip(plan.weight_names, rest[:n_w]))
         state = dict(zip(state_names, rest[n_w:]))
         if not plan.quantizes:
-            scaling.finish_step(state)
+            scaling.finish_step(state, plan.site.cached_keys)
             return value
         divisor = _predict(plan, weights, state, max(value.shape[-2], value.shape[-1]))
         logits = _lead_view(value.float() * unit, plan)        # (batch, period, L, L')
@@ -100,7 +100,7 @@ def _inplace_program(plan: SitePlan, state_names: Sequence[str], unit: float) ->
         per_slot = divisor.index_select(0, head_index) if plan.n_scale > 1 else \
             divisor.expand(head_index.numel())
         quantized = fake_quantize_logits(logits, per_slot.reshape(1, -1, 1, 1), opt.fp8_format)
-        scaling.finish_step(state)
+        scaling.finish_step(state, plan.site.cached_keys)
         return (quantized / unit).reshape(value.shape).to(value.dtype)
     return program
 

@@ -285,6 +285,11 @@ class AttentionSite:
         return tuple(dict.fromkeys(terms + [m.param for m in self.modifiers if m.param]))
 
     @property
+    def cached_keys(self) -> bool:
+        """Some keys are read from a cache (a decode step), bounded by their actual norms."""
+        return any(t.k.observed for t in self.terms)
+
+    @property
     def parameter_nodes(self) -> tuple[str, ...]:
         """``weight_nodes`` without the observed keys (activations): what the site's
         parameters are computed from."""
