@@ -16,7 +16,8 @@ from torch.fx import GraphModule, Node
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import (
-    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, module_path, op_of, parameter_name, shape_of,
+    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, matmul_operands, module_path, op_of,
+    parameter_name, shape_of,
 )
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
@@ -88,14 +89,39 @@ def _side_of(trace: OperandTrace, rows: HeadRows, checker: AngleChecker, kinds: 
     unit = trace.norm_unit
     if unit is None:
         norm = trace_normalized_input(trace.projection.x, kinds, trace.projection.root)
-        return _side(trace.projection, rows, norm, checker.rotaries, features=features)
-    width, position = checker.norms[unit.id]
-    n_features = (shape_of(trace.projection.root) or (0,))[-1]
-    index = tuple(position.get(f + offset, -1) for f in range(n_features))
-    rotary = _rotary(rows, checker.rotaries)
-    return Side(source=_source(unit.norm, index), weight=None, layout="identity",
-                features=features if features is not None else rows.features, rotary=rotary,
-                operand_gain=rows.gain)
+        side = _side(trace.projection, rows, norm, checker.rotaries, features=features)
+    else:
+        width, position = checker.norms[unit.id]
+        n_features = (shape_of(trace.projection.root) or (0,))[-1]
+        index = tuple(position.get(f + offset, -1) for f in range(n_features))
+        rotary = _rotary(rows, checker.rotaries)
+        side = Side(source=_source(unit.norm, index), weight=None, layout="identity",
+                    features=features if features is not None else rows.features,
+                    rotary=rotary, operand_gain=rows.gain)
+    if side.rotary is None:
+        return side
+    return replace(side, pairs=_pairs(side.features, offset, checker))
+
+
+def _pairs(features, offset: int, checker: AngleChecker) -> tuple[int, ...]:
+    """Per head channel, the channel it is rotated with (-1: not rotated), the same in every
+    head; () when not known (stacked rotations, or heads that differ)."""
+    if len(checker.rotaries) != 1:
+        return ()
+    partner_of: dict[int, int] = {}
+    for feature, partner in checker.partners:
+        partner_of.update(zip(feature.tolist(), partner.tolist()))
+    layout = None
+    for head in features:
+        where = {f + offset: j for j, f in enumerate(head)}
+        row = tuple(where.get(partner_of.get(f + offset, -1), -1) if
+                    (f + offset) in partner_of else -1 for f in head)
+        if any((f + offset) in partner_of and r < 0 for f, r in zip(head, row)):
+            return ()      # a partner outside the head (checked elsewhere) or another term
+        if layout is not None and row != layout:
+            return ()
+        layout = row
+    return layout or ()
 
 
 def _rotary(rows: HeadRows, rotaries):
@@ -184,8 +210,32 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
             for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
                                              ("key", k_trace, k_track, k_rows)))
         terms += [Term(q, k) for q in q_sides for k in k_sides]
-    return _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
-                   k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1])
+    fields = _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
+                     k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1])
+    return {**fields, **_value_side(cand, kinds, evaluator, order)}
+
+
+def _value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    """The values' side (for their amax bound), or why it could not be traced. Never makes
+    the site unsupported: the logits do not depend on the values."""
+    node = cand.node
+    if cand.kind == "sdpa":
+        value = node.args[2]
+    else:
+        pv = cand.roles.get("pv")
+        value = matmul_operands(pv)[1] if pv is not None and op_of(pv) in (
+            "matmul", "bmm") else None
+    if not isinstance(value, Node):
+        return {"value_reason": "no value operand found"}
+    checker = AngleChecker(evaluator)
+    try:
+        trace = trace_operand(value, kinds, checker, "value", order)
+        if len(trace.projections) > 1:
+            raise Unsupported(f"the value `{value.name}` comes from several projections")
+        rows = head_rows(trace.track, value, "value")
+        return {"value": _side_of(trace, rows, checker, kinds)}
+    except Unsupported as exc:
+        return {"value_reason": str(exc)}
 
 
 _FACTORIES = (torch.zeros, torch.empty, torch.full, torch.ones)

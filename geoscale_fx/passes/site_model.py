@@ -119,6 +119,9 @@ class Side:
     #: not its base projection's, e.g. under adapter dropout: a term of its own)
     inner: Optional[str] = None
     weight_scale: float = 1.0
+    #: per head channel, the channel it is rotated with (-1: none); () when unknown
+    #: (stacked rotations): then only the whole head vector's norm bounds an entry
+    pairs: tuple[int, ...] = ()
 
     @property
     def n_heads(self) -> int:
@@ -242,6 +245,10 @@ class AttentionSite:
     #: ``score_heads[i % len(score_heads)]`` (one period, so any batch size fits)
     score_heads: tuple[int, ...] = ()
     score_lead: tuple[int, ...] = ()   # () unless the heads are outside the batch (see analyze)
+    #: the values' side (``P·V``'s right operand), for their amax bound; None when it could not
+    #: be traced (``value_reason`` says why)
+    value: Optional[Side] = None
+    value_reason: str = ""
     _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
                                                               compare=False)
 
@@ -319,6 +326,15 @@ class AttentionSite:
 
         self._require_supported()
         return [heads.term_head_weights(t, self._resolve) for t in self.terms]
+
+    def amax_bounds(self) -> dict[str, torch.Tensor]:
+        """Certified per-head bounds on ``max |entry|`` of the q, k and v that reach the
+        attention: ``{"q": (n_q,), "k": (n_kv,), "v": (n_kv,)}`` float64, from the current
+        weights (``geoscale_fx.amax``)."""
+        from geoscale_fx import amax
+
+        self._require_supported()
+        return amax.site_amax_bounds(self)
 
     def logit_bound(self, **kwargs) -> torch.Tensor:
         """Per-head bound on what the softmax receives (``(n_q,)``, float64), exact."""
