@@ -5,6 +5,8 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     torch.compile(model, backend="geoscale")      # the backend, default options
     geoscale_fx.backend(**options)                # a configured backend
     geoscale_fx.wrap(model, **options)            # compiled module; state in state_dict
+    geoscale_fx.compile_blocks(model, blocks, **options)  # per-block compile (TP, FSDP2)
+    geoscale_fx.load_scaling_state(model, checkpoint_id)  # DCP resume, warm
     geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
     geoscale_fx.calibrate(model, batches)         # auto-α on a data loader, then frozen
     geoscale_fx.GeoscaleOptions                   # the options (validated)
@@ -29,6 +31,8 @@ _LAZY = {
     "GeoscaleOptions": ("geoscale_fx.config", "GeoscaleOptions"),
     "wrap": ("geoscale_fx.wrapper", "wrap"),
     "GeoscaleModule": ("geoscale_fx.wrapper", "GeoscaleModule"),
+    "compile_blocks": ("geoscale_fx.blocks", "compile_blocks"),
+    "load_scaling_state": ("geoscale_fx.checkpoint", "load_scaling_state"),
     "report": ("geoscale_fx.reporting", "report"),
     "calibrate": ("geoscale_fx.calibration", "calibrate"),
     "AttentionSite": ("geoscale_fx.passes.site_model", "AttentionSite"),

@@ -17,11 +17,11 @@ import logging
 import torch
 from torch import nn
 
-from geoscale_fx.compiler import GeoscaleBackend
+from geoscale_fx.compiler import GeoscaleBackend, ParameterNames
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
-__all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
+__all__ = ["GeoscaleModule", "wrap", "STATE_ATTR", "mark_cold_without_state"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -38,13 +38,14 @@ class GeoscaleModule(nn.Module):
             state = GeoscaleState()
             model.add_module(STATE_ATTR, state)
         self.model = model
-        self.geoscale = GeoscaleBackend(options, state=state, owned=True)
+        self.geoscale = GeoscaleBackend(options, state=state, owned=True,
+                                        qualify=ParameterNames(model))
         # its own Dynamo cache: many wrapped instances of one class never hit the
         # recompile limit (which would silently fall back to eager, without FP8)
         self._compiled = torch.compile(model, backend=self.geoscale, isolate_recompiles=True)
         self.eager_calls = 0   # calls in which none of our compiled graphs ran
         if not getattr(model, "_geoscale_hooked", False):
-            model.register_load_state_dict_post_hook(_mark_cold_without_state)
+            model.register_load_state_dict_post_hook(mark_cold_without_state)
             model._geoscale_hooked = True
 
     def forward(self, *args, **kwargs):
@@ -93,7 +94,7 @@ class GeoscaleModule(nn.Module):
         return report(self, per_head=per_head)
 
 
-def _mark_cold_without_state(module: nn.Module, incompatible) -> None:
+def mark_cold_without_state(module: nn.Module, incompatible) -> None:
     """After ``load_state_dict``: weights without geoscale state (a plain checkpoint) load
     fine, and every site re-initialises from them at the next call (a cold start)."""
     state = getattr(module, STATE_ATTR, None)

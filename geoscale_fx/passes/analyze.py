@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+from geoscale_fx.passes.dtensor import dtensor_of, localize_term, to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, module_path, op_of, shape_of
@@ -45,7 +46,7 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
         value = evaluator.evaluate(by_name[name])
         if value is None:
             raise ValueError(f"graph node {name!r} is not a function of the parameters")
-        return value
+        return to_local(value)   # tensor parallel: sites index the rank's local shards
 
     sites = []
     for i, cand in enumerate(find_candidates(gm.graph, kinds)):
@@ -150,6 +151,11 @@ def _pair_heads(cand: Candidate, q: HeadRows, k: HeadRows) -> tuple[list[int], t
 
 
 def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    for role, operand in (("query", cand.query), ("key", cand.key)):
+        if dtensor_of(operand) is not None:
+            raise Unsupported(f"the {role} `{operand.name}` is a DTensor (global view, "
+                              f"{tuple(dtensor_of(operand).placements)}): geoscale rewrites "
+                              "attention on local tensors (use_local_output=True)")
     checkers = {role: AngleChecker(evaluator) for role in ("query", "key")}
     q_trace = trace_operand(cand.query, kinds, checkers["query"], "query", order)
     k_trace = trace_operand(cand.key, kinds, checkers["key"], "key", order)
@@ -169,8 +175,10 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     _mapping, k_features = _pair_heads(cand, q_rows, k_rows)
     q_proj = _side_of(q_trace, q_rows, checkers["query"], kinds)
     k_proj = _side_of(k_trace, k_rows, checkers["key"], kinds, features=k_features)
-    return _fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
-                   k_track.shape[-2], q_rows.head_of_row)
+    by_name = {n.name: n for n in cand.node.graph.nodes}
+    q_proj, k_proj, shard = localize_term(q_proj, k_proj, by_name, q_track.shape[-1])
+    return dict(_fields(cand, q_proj, k_proj, q_rows.gain * k_rows.gain, q_track.shape[-2],
+                        k_track.shape[-2], q_rows.head_of_row), shard=shard)
 
 
 def _check_rotations_whole(cand: Candidate, role: str, rows: HeadRows,

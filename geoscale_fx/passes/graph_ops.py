@@ -67,7 +67,15 @@ _METHODS: dict[str, str] = {
     "baddbmm": "baddbmm",
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
     "pow": "pow", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
+    "to_local": "to_local", "redistribute": "redistribute", "full_tensor": "full_tensor",
 }
+
+try:  # tensor parallelism: DTensor's constructor from a local tensor (passes/dtensor.py)
+    from torch.distributed.tensor._api import from_local as _from_local
+
+    _FUNCTIONS[_from_local] = "from_local"
+except ImportError:  # a build without torch.distributed
+    pass
 
 #: Ops that only move or copy elements (value semantics preserved element-wise).
 DATA_MOVEMENT = frozenset({

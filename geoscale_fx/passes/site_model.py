@@ -204,6 +204,9 @@ class AttentionSite:
     #: ``score_heads[i % len(score_heads)]`` (one period, so any batch size fits)
     score_heads: tuple[int, ...] = ()
     score_lead: tuple[int, ...] = ()   # () unless the heads are outside the batch (see analyze)
+    #: tensor parallel: the query heads this rank holds (``passes.dtensor.HeadShard``); the
+    #: features above index the local weight shards
+    shard: Optional[object] = None
     _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
                                                               compare=False)
 

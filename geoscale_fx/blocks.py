@@ -1,0 +1,50 @@
+"""``geoscale_fx.compile_blocks(model, blocks)``: per-block compile, torchtitan's order.
+
+Large models are compiled one transformer block at a time, after tensor parallelism
+(``parallelize_module``) and before FSDP2 (``fully_shard``)::
+
+    parallelize_module(block, tp_mesh, plan)            # for every block (optional)
+    backend = geoscale_fx.compile_blocks(model, model.layers, compiler="inductor")
+    fully_shard(block, mesh=dp_mesh); fully_shard(model)   # optional
+    ...
+    geoscale_fx.report(backend)
+
+Dynamo compiles the block's code once and reuses the graph for every block (parameters are
+graph inputs); the backend gives each block's sites their own state, named by the block's
+path in ``model`` (``layers.3.attention``), registered on ``model`` as ``geoscale_state``:
+``model.state_dict()`` and ``torch.distributed.checkpoint`` carry it, and a resume is warm.
+Loading weights without it marks the sites cold (re-initialised from the loaded weights).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from torch import nn
+
+from geoscale_fx.compiler import GeoscaleBackend, ParameterNames
+from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.state import GeoscaleState
+from geoscale_fx.wrapper import STATE_ATTR, mark_cold_without_state
+
+__all__ = ["compile_blocks"]
+
+
+def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], **options) -> GeoscaleBackend:
+    """Compile every module of ``blocks`` in place (``Module.compile``) with one geoscale
+    backend (options as in ``GeoscaleOptions``) whose state lives in ``model``; returns the
+    backend (``geoscale_fx.report(backend)``)."""
+    state = getattr(model, STATE_ATTR, None)
+    if not isinstance(state, GeoscaleState):
+        state = GeoscaleState()
+        model.add_module(STATE_ATTR, state)
+    backend = GeoscaleBackend(GeoscaleOptions.from_kwargs(**options), state=state, owned=True,
+                              qualify=ParameterNames(model))
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("compile_blocks: no blocks given")
+    for block in blocks:
+        block.compile(backend=backend)
+    if not getattr(model, "_geoscale_hooked", False):
+        model.register_load_state_dict_post_hook(mark_cold_without_state)
+        model._geoscale_hooked = True
+    return backend
