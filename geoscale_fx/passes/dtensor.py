@@ -38,7 +38,7 @@ from geoscale_fx.passes.site_model import Side
 from geoscale_fx.passes.tracking import Unsupported
 
 __all__ = ["DTENSOR_OPS", "HeadShard", "dtensor_of", "local_region", "replay_dtensor",
-           "keeps_token_vectors", "localize_term", "to_local"]
+           "token_vector_split", "localize_term", "to_local"]
 
 #: graph ops of DTensor's API (``graph_ops.op_of`` names)
 DTENSOR_OPS = frozenset({"from_local", "to_local", "redistribute", "full_tensor"})
@@ -149,25 +149,23 @@ def replay_dtensor(node: Node, op: str, track):
     raise Unsupported(f"`{node.name}` ({op}): DTensor op not understood on the query/key path")
 
 
-def keeps_token_vectors(node: Node) -> bool:
-    """Whether a DTensor op on the way back to a normalization keeps each token's whole
-    feature vector (no placement on either side shards or partially sums the last dim)."""
-    values = [dtensor_of(node), dtensor_of(node.args[0]) if isinstance(node.args[0], Node)
-              else None]
+def token_vector_split(node: Node) -> Optional[str]:
+    """Why a DTensor op on the way back to a normalization does not keep each token's whole
+    feature vector (a placement on either side shards or partially sums the last dim), or
+    None when it does."""
     if op_of(node) == "from_local":
         placements = node.args[2] if len(node.args) > 2 else node.kwargs.get("placements")
-        ndim = len(getattr(example_value(node), "shape", ()))
-        return placements is not None and all(
-            p.is_replicate() or (p.is_shard() and p.dim % ndim != ndim - 1)
-            for p in placements)
-    for value in values:
-        if value is None:
-            continue
-        ndim = len(value.shape)
-        for p in value.placements:
+        sides = [(len(getattr(example_value(node), "shape", ())), tuple(placements or ()))]
+    else:
+        sides = [(len(v.shape), tuple(v.placements))
+                 for v in (dtensor_of(node), dtensor_of(node.args[0])) if v is not None]
+    for ndim, placements in sides:
+        for p in placements:
             if p.is_partial() or (p.is_shard() and p.dim % ndim == ndim - 1):
-                return False
-    return True
+                return (f"its placements {placements} split each token's feature vector across "
+                        "ranks (a projection sharded on the model dimension d, e.g. rowwise "
+                        "q/k): no rank holds the normalized input")
+    return None
 
 
 # --------------------------------------------------------------------------------------

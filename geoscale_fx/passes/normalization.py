@@ -190,11 +190,11 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
     if op in VALUE_CASTS:
         return node.args[0], radius_factor
     if op in ("from_local", "to_local", "redistribute", "full_tensor"):  # tensor parallel
-        from geoscale_fx.passes.dtensor import keeps_token_vectors
+        from geoscale_fx.passes.dtensor import token_vector_split
 
-        if not keeps_token_vectors(node):
-            fail(": a DTensor op whose placements split or partially sum the feature "
-                 "dimension (the local vector is not the normalized one)")
+        reason = token_vector_split(node)
+        if reason:
+            fail(f": {reason}")
         return node.args[0], radius_factor
     if op in VIEWS:
         src = node.args[0]
