@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from geoscale_fx.passes.graph_ops import example_value, op_of
+from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
 from geoscale_fx.passes.site_model import Side
 from geoscale_fx.passes.tracking import Unsupported
 
@@ -182,13 +182,28 @@ def _check_replicated(side: Side, by_name: dict[str, Node]) -> None:
                               "every rank")
 
 
+def _sharded_source(node: Node):
+    """``(DTensor value, already local)`` behind a weight node: the node itself, or a
+    ``to_local`` of one (up to casts: Hugging Face's tensor parallelism computes with
+    ``W.to_local()``), else ``(None, False)``."""
+    value = dtensor_of(node)
+    if value is not None:
+        return value, False
+    while op_of(node) in VALUE_CASTS:
+        node = node.args[0]
+    if op_of(node) == "to_local" and dtensor_of(node.args[0]) is not None:
+        return dtensor_of(node.args[0]), True
+    return None, False
+
+
 def _localize_side(side: Side, by_name: dict[str, Node]):
     """``(side on local features, sharded mesh dims, mesh, global features)``."""
     _check_replicated(side, by_name)
-    value = dtensor_of(by_name[side.weight]) if side.weight is not None else None
+    value, local = (_sharded_source(by_name[side.weight]) if side.weight is not None
+                    else (None, False))
     if value is None:
         for name in (side.bias,):
-            if name is not None and dtensor_of(by_name[name]) is not None:
+            if name is not None and _sharded_source(by_name[name])[0] is not None:
                 raise Unsupported(f"the bias `{name}` is a DTensor but the weight "
                                   f"`{side.weight}` is not")
         return side, (), None, side.features
@@ -201,6 +216,9 @@ def _localize_side(side: Side, by_name: dict[str, Node]):
                           "head's weights (rowwise q/k), so no rank can bound a head; shard "
                           "q/k by output features (ColwiseParallel)")
     lo, n = offset[f_dim], shape[f_dim]
+    dims, mesh = _sharded_dims(value, f_dim), value.device_mesh
+    if local:   # the graph already computes with the local shard: features index it
+        return side, dims, mesh, tuple(tuple(f + lo for f in row) for row in side.features)
     flat = [f for row in side.features for f in row]
     if flat and (min(flat) < lo or max(flat) >= lo + n):
         raise Unsupported(f"the heads read by the attention use features {min(flat)}-"
@@ -216,16 +234,16 @@ def _localize_side(side: Side, by_name: dict[str, Node]):
             if picked and (min(picked) < 0 or max(picked) >= b_shape[0]):
                 raise Unsupported(f"the bias `{side.bias_param or side.bias}` is not sharded "
                                   f"like its weight ({tuple(bias.placements)})")
-    local = tuple(tuple(f - lo for f in row) for row in side.features)
-    side = replace(side, features=local, bias_offset=bias_offset if side.bias else 0)
-    return side, _sharded_dims(value, f_dim), value.device_mesh, None
+    global_features = side.features
+    local_features = tuple(tuple(f - lo for f in row) for row in side.features)
+    side = replace(side, features=local_features, bias_offset=bias_offset if side.bias else 0)
+    return side, dims, mesh, global_features
 
 
 def localize_term(q: Side, k: Side, by_name: dict[str, Node], head_dim: int
                   ) -> tuple[Side, Side, Optional[HeadShard]]:
     """Map both sides' features onto local weight shards; the site's ``HeadShard``."""
-    global_q = q.features
-    q, q_dims, q_mesh, _ = _localize_side(q, by_name)
+    q, q_dims, q_mesh, global_q = _localize_side(q, by_name)
     k, k_dims, k_mesh, _ = _localize_side(k, by_name)
     if q_mesh is not None and k_mesh is not None and q_mesh != k_mesh:
         raise Unsupported("the query and key projections live on different device meshes")
