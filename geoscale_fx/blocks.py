@@ -14,6 +14,8 @@ graph inputs); the backend gives each block's sites their own state, named by th
 path in ``model`` (``layers.3.attention``), registered on ``model`` as ``geoscale_state``:
 ``model.state_dict()`` and ``torch.distributed.checkpoint`` carry it, and a resume is warm.
 Loading weights without it marks the sites cold (re-initialised from the loaded weights).
+With ``alpha="theory"`` the N of α_min counts the heads of every block (the graph's heads
+times the number of blocks: exact for identical blocks, an upper bound otherwise).
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], **options) -> 
     blocks = list(blocks)
     if not blocks:
         raise ValueError("compile_blocks: no blocks given")
+    # a graph compiled for one block serves all alike: alpha="theory" counts N over all of
+    # them (an upper bound when blocks differ, which only makes α_min larger, i.e. safer)
+    backend.graph_multiplicity = len(blocks)
     for block in blocks:
         block.compile(backend=backend)
     if not getattr(model, "_geoscale_hooked", False):

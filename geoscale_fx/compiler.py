@@ -92,6 +92,9 @@ class GeoscaleBackend:
         #: the model's name of a parameter (``wrap``, ``compile_blocks``): names each site
         #: by its module's path in the model, whichever graph (whole model or one block) it is in
         self.qualify = qualify
+        #: how many blocks one graph may serve (``compile_blocks``): N of alpha="theory"
+        #: counts every block's heads, not only those of the block compiled first
+        self.graph_multiplicity = 1
         self.records: dict[str, SiteRecord] = {}
         self.skipped: list[SiteRecord] = []
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()   # first owner → {identity: key}
@@ -131,7 +134,7 @@ class GeoscaleBackend:
     def _plan_all(self, gm, example_inputs, sites) -> tuple[list[SitePlan], list[SiteState]]:
         """A plan and its state for every site that can be rewritten; the rest recorded."""
         values = _placeholder_values(gm, example_inputs)
-        ctx = _graph_context(gm, sites, values, self._n_heads_seen())
+        ctx = _graph_context(gm, sites, values, self._n_heads_seen(), self.graph_multiplicity)
         plans, states = [], []
         for site in sites:
             owners = _owners(gm, site, values)
@@ -290,11 +293,13 @@ def _owners(gm: GraphModule, site: AttentionSite, values: dict) -> WeakIdKeyDict
     return owners
 
 
-def _graph_context(gm: GraphModule, sites, values: dict, n_heads_seen: int) -> GraphContext:
+def _graph_context(gm: GraphModule, sites, values: dict, n_heads_seen: int,
+                   multiplicity: int = 1) -> GraphContext:
     tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
     device = next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    n_total = max(sum(global_heads(s) for s in sites if s.supported), n_heads_seen)
+    n_total = max(multiplicity * sum(global_heads(s) for s in sites if s.supported),
+                  n_heads_seen)
     return GraphContext(device=device, training=training, symbolic=_symbolic(gm),
                         n_heads_total=n_total)
 
