@@ -7,7 +7,7 @@ Large models are compiled one transformer block at a time, after tensor parallel
     backend = geoscale_fx.compile_blocks(model, model.layers, compiler="inductor")
     fully_shard(block, mesh=dp_mesh); fully_shard(model)   # optional
     ...
-    geoscale_fx.report(backend)
+    geoscale_fx.report(model)                           # or report(backend)
 
 Dynamo compiles the block's code once and reuses the graph for every block (parameters are
 graph inputs); the backend gives each block's sites their own state, named by the block's
@@ -49,6 +49,7 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], **options) -> 
     backend.graph_multiplicity = len(blocks)
     for block in blocks:
         block.compile(backend=backend)
+    model._geoscale_backend = backend         # geoscale_fx.report(model)
     if not getattr(model, "_geoscale_hooked", False):
         model.register_load_state_dict_post_hook(mark_cold_without_state)
         model._geoscale_hooked = True

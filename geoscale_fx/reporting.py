@@ -57,7 +57,8 @@ class Report:
 
 def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
     """(rewritten, left as is) records of the sites that belong to ``model``."""
-    backend = model if isinstance(model, GeoscaleBackend) else getattr(model, "geoscale", None)
+    backend = model if isinstance(model, GeoscaleBackend) else (
+        getattr(model, "geoscale", None) or getattr(model, "_geoscale_backend", None))
     if isinstance(backend, GeoscaleBackend):
         return list(backend.records.values()), list(backend.skipped)
     inner = getattr(model, "_orig_mod", model)

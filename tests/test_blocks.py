@@ -45,7 +45,7 @@ def test_compile_blocks_one_graph_a_state_per_block_named_by_the_model():
         torch.testing.assert_close(state.scale, whole[key].scale, rtol=0, atol=0)
     state_keys = [k for k in model.state_dict() if k.startswith("geoscale_state.")]
     assert {k.split(".")[2] for k in state_keys} == set(KEYS)
-    rows = geoscale_fx.report(backend).rows
+    rows = geoscale_fx.report(model).rows
     assert [r["site"] for r in rows] == ["transformer.h.0.attn", "transformer.h.1.attn",
                                          "transformer.h.2.attn"]
 

@@ -302,6 +302,37 @@ def _llama(n_kv: int):
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def _hf_tp_plan_auto(rank, world, path):
+    import transformers
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    tp = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    single = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    weight = tp.model.layers[0].self_attn.q_proj.weight
+    assert tuple(weight.placements) == (dist.tensor.Shard(0),), weight.placements
+    w1 = geoscale_fx.wrap(single, compiler="aot_eager", estimator="exact")
+    w2 = geoscale_fx.wrap(tp, compiler="aot_eager", estimator="exact")
+    x = _tokens(4, length=7)
+    with torch.no_grad():
+        diff = (w1(x).logits - w2(x).logits).abs().max().item()
+    assert diff < 1e-4, diff
+    # transformers computes with W.to_local(): the site still knows it holds heads 2r, 2r+1
+    key = "model_layers_0_self_attn"
+    record = w2.geoscale.records[f"{key}_tp{rank}"]
+    assert record.site.shard.q_heads == (2 * rank, 2 * rank + 1)
+    torch.testing.assert_close(record.state.scale,
+                               w1.geoscale.records[key].state.scale[2 * rank:2 * rank + 2],
+                               rtol=1e-6, atol=0)
+
+
+def test_hf_tp_plan_auto(tmp_path):
+    """transformers' own plan (``tp_plan="auto"``: colwise q/k/v, rowwise o, computing with
+    the local shards) on CPU/gloo: every site rewritten, each rank the scales of its heads."""
+    pytest.importorskip("transformers")
+    _llama(2).save_pretrained(tmp_path / "llama")
+    _spawn(_hf_tp_plan_auto, 2, str(tmp_path / "llama"))
+
+
 def test_tensor_parallel_hf_llama_gqa_and_replicated_kv():
     """HF Llama (RoPE, GQA 4/2) with q/k/v colwise: same per-head scales as one process; with
     one kv head (fewer than ranks) k/v stay replicated and each rank pairs its q heads."""
@@ -358,6 +389,8 @@ def _fsdp2(rank, world):
     # one compiled block graph serves both blocks; the state is per block, the same on
     # every rank by construction (same unsharded weights, key-seeded cold start)
     assert be2.compiles == 1 and sorted(be2.records) == sorted(be1.records)
+    assert [r["site"] for r in geoscale_fx.report(sharded).rows] == [
+        "transformer.h.0.attn", "transformer.h.1.attn"]
     _state_identical_across(be2)
     for key in be1.records:
         torch.testing.assert_close(be2.records[key].state.scale, be1.records[key].state.scale,

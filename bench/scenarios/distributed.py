@@ -132,7 +132,7 @@ def scale_out(ctx: Context) -> ScenarioResult:
         "against one process (nanoGPT 2x128, separate q/k/v, batch 8 x 128)",
         notes="Per-block compile, torchtitan's order (TP, compile, FSDP2). 'vs plain': against "
         "the same configuration without geoscale; 'vs one process': against the same method "
-        "in one process (2 threads; each rank has 1). TP 2 computes the whole batch on half "
+        "in one process. Every process uses 1 thread. TP 2 computes the whole batch on half "
         "the heads per rank; FSDP2 2 half the batch per rank. geometry/head adds no "
         "collective; geometry/layer one all-reduce(MAX) of one float per site and step under "
         "TP. On 2 shared CPU cores gloo's collectives dominate: the ratios say what geoscale "
@@ -151,7 +151,12 @@ def measure(ctx: Context, configs: dict[str, tuple[str, ...]]) -> list[dict]:
 
     steps = ctx.steps(10, 30)
     compiler = ctx.timing_compiler
-    single = {m: _step_ms("one process", m, compiler, steps) for m in configs["one process"]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # like each rank: OpenMP threads on a loaded machine spin
+    try:
+        single = {m: _step_ms("one process", m, compiler, steps) for m in configs["one process"]}
+    finally:
+        torch.set_num_threads(threads)
     out = ctx.out_dir / "distributed"
     out.mkdir(parents=True, exist_ok=True)
     mp.spawn(_worker, args=(2, _free_port(), configs, compiler, steps, str(out)), nprocs=2)
