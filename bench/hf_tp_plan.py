@@ -5,7 +5,8 @@
 transformers initializes the process group (gloo on CPU), shards q/k/v colwise and o
 rowwise by the model's ``base_model_tp_plan`` and computes with the local shards
 (``W.to_local()``). Every rank then prints its own heads' scales next to the scales one
-process computes for the same checkpoint (a tiny Llama, GQA 4/2, saved by rank 0).
+process computes for the same checkpoint (a tiny Llama, GQA 4/2, seeded: every rank saves the
+same one, as the group does not exist before ``from_pretrained``).
 """
 from __future__ import annotations
 
@@ -34,12 +35,11 @@ def main() -> None:
     import geoscale_fx
 
     transformers.utils.logging.disable_progress_bar()
-    path = os.path.join(tempfile.gettempdir(), "geoscale_hf_tp_plan")
-    if int(os.environ.get("RANK", "0")) == 0:
-        _checkpoint(path)
+    path = os.path.join(tempfile.gettempdir(),
+                        f"geoscale_hf_tp_plan_{os.environ.get('RANK', '0')}")
+    _checkpoint(path)
     tp = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
-    dist.barrier()                        # transformers initialized the group; rank 0 saved
-    rank = dist.get_rank()
+    rank = dist.get_rank()                # transformers initialized the group
     single = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     ours = geoscale_fx.wrap(tp, compiler="aot_eager")
