@@ -37,12 +37,8 @@ from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
 from geoscale_fx.passes.site_model import Side
 from geoscale_fx.passes.tracking import Unsupported
 
-__all__ = ["DTENSOR_OPS", "HeadShard", "dtensor_of", "local_region", "replay_dtensor",
+__all__ = ["HeadShard", "dtensor_of", "local_region", "replay_dtensor",
            "token_vector_split", "localize_term", "to_local"]
-
-#: graph ops of DTensor's API (``graph_ops.op_of`` names)
-DTENSOR_OPS = frozenset({"from_local", "to_local", "redistribute", "full_tensor"})
-
 
 def _dtensor_type():
     try:
