@@ -2,10 +2,10 @@
 
 Pre-LN transformer: token + position embeddings, ``n_layer`` blocks of
 ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, a final LayerNorm and an lm_head tied to the
-token embedding. Attention uses one fused ``c_attn`` projection (d → 3d) split into q, k, v,
-and one of two lowerings (``qkv="separate"``: three projections instead, the layout tensor
-parallelism shards by heads: ``ColwiseParallel`` q/k/v, ``RowwiseParallel`` c_proj; shapes
-use ``-1`` heads, so a rank sees its local ones):
+token embedding. Attention uses one fused ``c_attn`` projection (d → 3d) split into q, k, v
+(``qkv="separate"``: three projections ``c_q``, ``c_k``, ``c_v``, the layout tensor
+parallelism shards by heads with ``ColwiseParallel``, ``c_proj`` ``RowwiseParallel``; the
+views use ``-1`` heads, so a rank sees its local ones), and one of two lowerings:
 
 - ``attn_impl="sdpa"``: ``F.scaled_dot_product_attention(..., is_causal=True)``, the form a
   fused kernel sees;
