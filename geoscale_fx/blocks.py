@@ -31,10 +31,11 @@ from geoscale_fx.wrapper import STATE_ATTR, mark_cold_without_state
 __all__ = ["compile_blocks"]
 
 
-def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], **options) -> GeoscaleBackend:
-    """Compile every module of ``blocks`` in place (``Module.compile``) with one geoscale
-    backend (options as in ``GeoscaleOptions``) whose state lives in ``model``; returns the
-    backend (``geoscale_fx.report(backend)``)."""
+def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], *, fullgraph: bool = False,
+                   **options) -> GeoscaleBackend:
+    """Compile every module of ``blocks`` in place (``Module.compile``, ``fullgraph`` as in
+    ``torch.compile``) with one geoscale backend (options as in ``GeoscaleOptions``) whose
+    state lives in ``model``; returns the backend."""
     state = getattr(model, STATE_ATTR, None)
     if not isinstance(state, GeoscaleState):
         state = GeoscaleState()
@@ -48,7 +49,7 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], **options) -> 
     # them (an upper bound when blocks differ, which only makes α_min larger, i.e. safer)
     backend.graph_multiplicity = len(blocks)
     for block in blocks:
-        block.compile(backend=backend)
+        block.compile(backend=backend, fullgraph=fullgraph)
     model._geoscale_backend = backend         # geoscale_fx.report(model)
     if not getattr(model, "_geoscale_hooked", False):
         model.register_load_state_dict_post_hook(mark_cold_without_state)

@@ -30,7 +30,8 @@ def _whole_model_scales(**options) -> dict:
 
 def test_compile_blocks_one_graph_a_state_per_block_named_by_the_model():
     model = _gpt()
-    backend = geoscale_fx.compile_blocks(model, model.transformer.h, compiler="aot_eager")
+    backend = geoscale_fx.compile_blocks(model, model.transformer.h, compiler="aot_eager",
+                                         fullgraph=True)
     with torch.no_grad():
         model(_x())
         model(_x())
