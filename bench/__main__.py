@@ -1,6 +1,7 @@
 """``python -m bench``: the model-zoo benchmark (quick profile by default, ≤ 10 min on 2 cores).
 
-    python -m bench                       # quick profile, all ten scenarios
+    python -m bench                       # quick profile, scenarios 1-10
+    python -m bench --only distributed    # 11: 2 processes (gloo), TP and FSDP2
     python -m bench --full                # more models and steps
     python -m bench --only overhead seq-len
     python -m bench --models pretrained-llama
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
              "minilm": lms.minilm_lm},
         models=tuple(args.models or ("pretrained-gpt2", "pretrained-llama")),
         progress=not args.no_progress)
-    chosen = [s for s in SCENARIOS if not args.only or s.key in args.only]
+    chosen = [s for s in SCENARIOS if (s.key in args.only if args.only else s.default)]
     start = time.perf_counter()
     results = run_scenarios(chosen, ctx)
     print(f"total {time.perf_counter() - start:.0f} s ({profile} profile)")

@@ -85,6 +85,7 @@ class Scenario:
     key: str
     title: str
     fn: Callable[[Context], ScenarioResult]
+    default: bool = True      # run by a plain ``python -m bench`` (else only with --only)
 
 
 def format_rows(rows: list[dict], floatfmt: str = ".4g") -> str:

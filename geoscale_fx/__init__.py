@@ -8,6 +8,8 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.wrap(model, **options)            # the wrapper form; state in state_dict
     geoscale_fx.save_state(model, dir)            # dir/geoscale_state.safetensors
     geoscale_fx.load_state(model, dir)            # restore it (warm), False if absent/stale
+    geoscale_fx.compile_blocks(model, blocks, **options)  # per-block compile (TP, FSDP2)
+    geoscale_fx.load_scaling_state(model, checkpoint_id)  # DCP resume, warm
     geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
     geoscale_fx.calibrate(model, batches)         # auto-α on a data loader, then frozen
     geoscale_fx.GeoscaleOptions                   # the options (validated)
@@ -35,6 +37,8 @@ _LAZY = {
     "save_state": ("geoscale_fx.serialization", "save_state"),
     "load_state": ("geoscale_fx.serialization", "load_state"),
     "GeoscaleModule": ("geoscale_fx.wrapper", "GeoscaleModule"),
+    "compile_blocks": ("geoscale_fx.blocks", "compile_blocks"),
+    "load_scaling_state": ("geoscale_fx.checkpoint", "load_scaling_state"),
     "report": ("geoscale_fx.reporting", "report"),
     "calibrate": ("geoscale_fx.calibration", "calibrate"),
     "AttentionSite": ("geoscale_fx.passes.site_model", "AttentionSite"),

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from geoscale_fx.compiler import GeoscaleBackend
+from geoscale_fx.compiler import GeoscaleBackend, ParameterNames
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
@@ -115,7 +115,7 @@ def compile_with_geoscale(model: nn.Module, options: GeoscaleOptions,
     """
     state = attach_state(model)
     disable_hf_auto_compile(model)
-    backend = GeoscaleBackend(options, state=state, owned=True)
+    backend = GeoscaleBackend(options, state=state, owned=True, qualify=ParameterNames(model))
     compiled = compile_fn(backend=backend, isolate_recompiles=True)
     return GeoscaleCall(compiled, backend, type(model).__name__)
 

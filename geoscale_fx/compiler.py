@@ -16,7 +16,7 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._dynamo.utils import counters
@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.graph_ops import example_value
+from geoscale_fx.passes.graph_ops import example_value, parameter_name
 from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.plan import (
@@ -34,7 +34,7 @@ from geoscale_fx.plan import (
 from geoscale_fx.runtime import GraphRuntime
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
 
-__all__ = ["GeoscaleBackend", "SiteRecord", "backend", "geoscale_backend"]
+__all__ = ["GeoscaleBackend", "SiteRecord", "ParameterNames", "backend", "geoscale_backend"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -51,19 +51,54 @@ class SiteRecord:
     #: the parameter tensors the site reads (weakly held): which model it belongs to
     owners: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
     note: str = ""
+    name: str = ""            # qualified site name (per-block compile: the block's path)
+
+    def __post_init__(self):
+        self.name = self.name or self.site.name
 
     def belongs_to(self, params: Sequence[torch.Tensor]) -> bool:
         return any(p in self.owners for p in params)
+
+
+class ParameterNames:
+    """``names(tensor)``: a model's qualified name of a parameter or buffer, or None.
+
+    Read again on a miss: FSDP2 registers the unsharded parameters on the module while it
+    runs, so the tensors a compiled block receives are found under their usual names.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = weakref.ref(model)
+        self._names = WeakIdKeyDictionary()
+
+    def __call__(self, tensor) -> str | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        name = self._names.get(tensor)
+        model = self._model()
+        if name is None and model is not None:
+            for name_, t in list(model.named_parameters(remove_duplicate=False)) + \
+                    list(model.named_buffers(remove_duplicate=False)):
+                self._names.setdefault(t, name_)
+            name = self._names.get(tensor)
+        return name
 
 
 class GeoscaleBackend:
     """A configured backend; ``state`` holds every site's scaling state (see ``wrap``)."""
 
     def __init__(self, options: GeoscaleOptions | None = None, state: GeoscaleState | None = None,
-                 owned: bool = False):
+                 owned: bool = False,
+                 qualify: Callable[[torch.Tensor], str | None] | None = None):
         self.options = options or GeoscaleOptions()
         self.state = state if state is not None else GeoscaleState()
         self.owned = owned
+        #: the model's name of a parameter (``wrap``, ``compile_blocks``): names each site
+        #: by its module's path in the model, whichever graph (whole model or one block) it is in
+        self.qualify = qualify
+        #: how many blocks one graph may serve (``compile_blocks``): N of alpha="theory"
+        #: counts every block's heads, not only those of the block compiled first
+        self.graph_multiplicity = 1
         self.records: dict[str, SiteRecord] = {}
         self.skipped: list[SiteRecord] = []
         self._keys: WeakIdKeyDictionary = WeakIdKeyDictionary()   # first owner → {identity: key}
@@ -99,7 +134,8 @@ class GeoscaleBackend:
                                   0).training
         runtime = GraphRuntime(gm, example_inputs, plans, states,
                                self._variants(gm, example_inputs, plans, states, training),
-                               self.options.calib_steps, self._count_run)
+                               self.options.calib_steps, self._count_run,
+                               bind=lambda args: self._bind(gm, args, plans, sites))
         runtime.warm_up()
         self.runtimes.append(runtime)
         return runtime
@@ -121,11 +157,12 @@ class GeoscaleBackend:
     def _plan_all(self, gm, example_inputs, sites) -> tuple[list[SitePlan], list[SiteState]]:
         """A plan and its state for every site that can be rewritten; the rest recorded."""
         values = _placeholder_values(gm, example_inputs)
-        ctx = _graph_context(gm, sites, values, self._n_heads_seen())
+        ctx = _graph_context(gm, sites, values, self._n_heads_seen(), self.graph_multiplicity)
         plans, states = [], []
         for site in sites:
             owners = _owners(gm, site, values)
-            result = plan_site(site, self.options, self._key(site, sites, owners), ctx)
+            key, name = self._key(gm, site, sites, owners, values)
+            result = plan_site(site, self.options, key, ctx)
             if isinstance(result, Skip):
                 self._skip(site, result.reason, owners)
                 continue
@@ -137,10 +174,24 @@ class GeoscaleBackend:
                                 result.lowering_reason)
             state = self.state.get_or_create(result.key, result.state_specs(),
                                              _device_of(values, site))
-            self.records[result.key] = SiteRecord(site, result, state, owners)
+            self.records[result.key] = SiteRecord(site, result, state, owners, name=name)
             plans.append(result)
             states.append(state)
         return plans, states
+
+    def _bind(self, gm, args, plans: list[SitePlan], sites) -> list[SiteState]:
+        """States of the modules whose parameters are ``args`` (a graph serving another
+        block than the one it was compiled for): keyed like at compile time, cold if new."""
+        values = _placeholder_values(gm, args)
+        states = []
+        for plan in plans:
+            owners = _owners(gm, plan.site, values)
+            key, name = self._key(gm, plan.site, sites, owners, values)
+            state = self.state.get_or_create(key, plan.state_specs(),
+                                             _device_of(values, plan.site))
+            self.records[key] = SiteRecord(plan.site, plan, state, owners, name=name)
+            states.append(state)
+        return states
 
     def _skip(self, site: AttentionSite, reason: str, owners) -> None:
         counters["geoscale"]["left_as_is"] += 1
@@ -150,24 +201,45 @@ class GeoscaleBackend:
         self.skipped.append(SiteRecord(site, None, None, owners, reason))
 
     def _n_heads_seen(self) -> int:
-        return sum(r.site.n_q_heads for r in self.records.values())
+        return sum(global_heads(r.site) for r in self.records.values())
 
-    def _key(self, site: AttentionSite, sites, owners: WeakIdKeyDictionary) -> str:
-        """Stable across recompiles: module path, its n-th call in the graph, the weights."""
+    def _key(self, gm, site: AttentionSite, sites, owners: WeakIdKeyDictionary,
+             values: dict) -> tuple[str, str]:
+        """``(state key, display name)``, stable across recompiles: module path (qualified
+        by the model when the backend knows it), its n-th call in the graph, the weights;
+        a tensor-parallel site's key names the rank's shard (its state is its heads')."""
         occurrence = sum(1 for s in sites if s.name == site.name and s.index < site.index)
         identity = (site.name, occurrence)
         first = next(iter(owners.keys()), None)
         table = self._keys.setdefault(first, {}) if first is not None else self._unowned_keys
         if identity not in table:
             taken = {k for t in list(self._keys.values()) + [self._unowned_keys]
-                     for k in t.values()}
-            # a forward reached through ``args[0]`` (accelerate's autocast wrapper of
-            # ``model.forward`` under Trainer(bf16=True)) names sites ``[0].model...``: the
-            # state key must not depend on it, or a checkpoint would not restore elsewhere
-            path = _ARGS_ROOT.sub("", site.name)
-            name = path if self.owned else f"{path}@{len(taken)}"
-            table[identity] = site_key(name, taken)
+                     for k, _ in t.values()}
+            qualified = self._qualified(gm, site, values)
+            # unqualified: a forward reached through ``args[0]`` (accelerate's autocast
+            # wrapper under Trainer(bf16=True)) names sites ``[0].model...``; not the key
+            name = qualified or _ARGS_ROOT.sub("", site.name)
+            shard = f".tp{'x'.join(map(str, site.shard.coordinate))}" if site.shard else ""
+            if qualified is not None:    # unique in the model: the same key for any owner
+                key = site_key(name + (f"_{occurrence + 1}" if occurrence else "") + shard, ())
+            else:
+                base = name if self.owned else f"{name}@{len(taken)}"
+                key = site_key(base + shard, taken)
+            table[identity] = (key, name)
         return table[identity]
+
+    def _qualified(self, gm, site: AttentionSite, values: dict) -> str | None:
+        """The site's module path in the model: the graph-relative path of its first
+        parameter (Dynamo's source) against the model's name for that tensor."""
+        if self.qualify is None or not site.supported or not site.weight_nodes:
+            return None
+        for node in _upstream_placeholders(gm, site.weight_nodes[:1]):
+            full = self.qualify(values.get(node.name))
+            relative = parameter_name(node)
+            if full and full.endswith(relative):
+                prefix = full[:len(full) - len(relative)].rstrip(".")
+                return f"{prefix}.{site.name}" if prefix and site.name else prefix or site.name
+        return None
 
     # ---- compiled variants --------------------------------------------------------------
     def _variants(self, gm, example_inputs, plans, states, training: bool) -> dict:
@@ -251,13 +323,20 @@ def _owners(gm: GraphModule, site: AttentionSite, values: dict) -> WeakIdKeyDict
     return owners
 
 
-def _graph_context(gm: GraphModule, sites, values: dict, n_heads_seen: int) -> GraphContext:
+def _graph_context(gm: GraphModule, sites, values: dict, n_heads_seen: int,
+                   multiplicity: int = 1) -> GraphContext:
     tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
     device = next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    n_total = max(sum(s.n_q_heads for s in sites if s.supported), n_heads_seen)
+    n_total = max(multiplicity * sum(global_heads(s) for s in sites if s.supported),
+                  n_heads_seen)
     return GraphContext(device=device, training=training, symbolic=_symbolic(gm),
                         n_heads_total=n_total)
+
+
+def global_heads(site: AttentionSite) -> int:
+    """Query heads of a site over all tensor-parallel ranks (N of alpha="theory")."""
+    return site.shard.n_q_heads if site.shard is not None else site.n_q_heads
 
 
 def _symbolic(gm: GraphModule) -> bool:

@@ -2,7 +2,9 @@
 
 Per site (or per head with ``per_head=True``): σ, the bound on |S|, α (auto-α: the frozen
 α_final, the empirical quantile α_emp and how many slack ratios it came from), the scale, the
-last and the largest scaled logit, overflow counts and FP8 utilization. For RoPE sites with
+last and the largest scaled logit, overflow counts and FP8 utilization. Under tensor
+parallelism a rank reports its own heads (by their global index) and ``tp`` says which of the
+site's heads it holds. For RoPE sites with
 the certified norm-product bound, "sigma" is empty and "norm_product" is ``‖A_q,h‖‖A_k,g(h)‖``,
 the norm that bound uses. Values are read from the sites' state (one host read per call of
 ``report``, never per step). Scaled-logit figures need the logits, so they are present for
@@ -23,7 +25,7 @@ from geoscale_fx.compiler import _BACKENDS, GeoscaleBackend, SiteRecord
 
 __all__ = ["Report", "report", "site_records"]
 
-_COLUMNS = ("site", "head", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
+_COLUMNS = ("site", "head", "tp", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
             "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
             "steps", "cached_steps", "certified")
@@ -36,7 +38,8 @@ class Report:
     eager_calls: int = 0         # wrap/apply_ calls that Dynamo ran without our graphs
 
     def table(self, floatfmt: str = ".4g") -> str:
-        body = tabulate([[r.get(c) for c in _COLUMNS] for r in self.rows], headers=_COLUMNS,
+        columns = [c for c in _COLUMNS if c != "tp" or any(r.get(c) for r in self.rows)]
+        body = tabulate([[r.get(c) for c in columns] for r in self.rows], headers=columns,
                         floatfmt=floatfmt)
         if self.skipped:
             body += "\n\nleft as is:\n" + tabulate(
@@ -56,7 +59,9 @@ class Report:
 def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
     """(rewritten, left as is) records of the sites that belong to ``model``."""
     call = geoscale_call(model)
-    backend = call.backend if call is not None else getattr(model, "geoscale", None)
+    backend = call.backend if call is not None else model if isinstance(
+        model, GeoscaleBackend) else (getattr(model, "geoscale", None)
+                                      or getattr(model, "_geoscale_backend", None))
     if isinstance(backend, GeoscaleBackend):
         return list(backend.records.values()), list(backend.skipped)
     inner = getattr(model, "_orig_mod", model)
@@ -90,12 +95,15 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
     if calibrated:
         alpha = values["alpha_final"]
     heads = range(n) if per_head else [None]
+    shard = record.site.shard          # tensor parallel: the rank's heads, global indices
+    global_head = (lambda h: shard.q_heads[h]) if shard is not None and n > 1 else (lambda h: h)
     rows = []
     for h in heads:
         pick = (lambda t: float(t.reshape(-1)[h])) if h is not None else \
             (lambda t: float(t.max()))
         rows.append({
-            "site": record.site.name, "head": h if h is not None else f"{n} scale(s)",
+            "site": record.name, "head": global_head(h) if h is not None else f"{n} scale(s)",
+            "tp": shard.label if shard is not None else None,
             "lowering": plan.lowering, "scaling": plan.options.scaling,
             "sigma": pick(values["sigma"]) if "sigma" in values else None,
             "norm_product": pick(values["norm_product"]) if "norm_product" in values else None,
@@ -119,6 +127,6 @@ def report(model: Any, per_head: bool = False) -> Report:
     """Rows (and ``str(report)`` a table) for every attention of a geoscale-compiled model."""
     done, skipped = site_records(model)
     rows = [row for record in done for row in _rows(record, per_head)]
-    left = [{"site": r.site.name, "reason": r.note or r.site.reason} for r in skipped]
+    left = [{"site": r.name, "reason": r.note or r.site.reason} for r in skipped]
     call = geoscale_call(model)
     return Report(rows, left, call.eager_calls if call is not None else 0)

@@ -16,12 +16,15 @@ raises (e.g. its non-finite-bound assertion), check the sites' weights on the ho
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import Any, Callable, Sequence
 
 import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
+from torch.utils.weak import WeakIdKeyDictionary
 
+from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name
 from geoscale_fx.plan import SitePlan
@@ -46,11 +49,18 @@ class _Lazy:
 
 
 class GraphRuntime:
-    """The callable returned to Dynamo for one graph with rewritten sites."""
+    """The callable returned to Dynamo for one graph with rewritten sites.
+
+    One graph may serve several modules: Dynamo reuses a per-block compile for every block
+    of the same code (parameters are graph inputs). Each module's parameters (the *owner*:
+    the first parameter a site reads) get their own states, bound on the first call that
+    passes them (``bind(args)`` creates them, cold); a call costs one identity lookup.
+    """
 
     def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], plans: list[SitePlan],
                  states: list[SiteState], variants: dict[str, Callable[[], Callable]],
-                 calib_steps: int, on_run: Callable[[], None]):
+                 calib_steps: int, on_run: Callable[[], None],
+                 bind: Callable[[Sequence[Any]], list[SiteState]] | None = None):
         self.gm, self.plans, self.states = gm, plans, states
         self.kinds = ValueKinds(gm.graph, example_inputs)
         self.by_name = {n.name: n for n in gm.graph.nodes}
@@ -60,40 +70,61 @@ class GraphRuntime:
         self.on_run = on_run
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.param_positions = [i for i, n in enumerate(placeholders) if self.kinds.is_param(n)]
-        self.last_weights: tuple | None = None   # weights of the last full step
         self.full_steps = self.reused_steps = 0
+        self.bind = bind
+        self.owner_index = _owner_index(gm, plans)
+        # owner tensor → (states, tensors, memo: the weights of its last full step)
+        self.bound = WeakIdKeyDictionary()
+        self._own = (states, self.tensors, {"weights": None})
+        if self.owner_index is not None and self.owner_index < len(example_inputs):
+            self.bound[example_inputs[self.owner_index]] = self._own
 
     def warm_up(self) -> None:
         """Compile the variants now, inside Dynamo's compile (a graph with symbolic shapes
         compiled later would be specialized to the example shapes): the one the next call
         uses, and the weight-reusing one of inference graphs."""
-        self.variants["burn_in" if self.calibrating() else "predict"].get()
+        self.variants["burn_in" if self.calibrating(self.states) else "predict"].get()
         if "reuse" in self.variants:
             self.variants["reuse"].get()
 
+    def _states_for(self, args) -> tuple[list[SiteState], list[torch.Tensor], dict]:
+        if self.owner_index is None or self.bind is None:
+            return self._own
+        owner = args[self.owner_index]
+        found = self.bound.get(owner)
+        if found is None:
+            states = self.bind(args)
+            found = (states, [t for p, s in zip(self.plans, states)
+                              for t in s.tensors(p.state_names)], {"weights": None})
+            self.bound[owner] = found
+            log.info("geoscale: a compiled graph serves another module: state %s",
+                     [s.key for s in states])
+        return found
+
     def __call__(self, *args):
-        cold = [(p, s) for p, s in zip(self.plans, self.states) if s.cold]
+        states, tensors, memo = self._states_for(args)
+        cold = [(p, s) for p, s in zip(self.plans, states) if s.cold]
         if cold:
             self._cold_start(args, cold)
-            self.last_weights = None
-        burn_in = self.calibrating()
+            memo["weights"] = None
+        burn_in = self.calibrating(states)
         weights = self.weights_signature(args)
         reuse = (not burn_in and "reuse" in self.variants and weights is not None
-                 and weights == self.last_weights)
+                 and weights == memo["weights"])
         variant = "burn_in" if burn_in else "reuse" if reuse else "predict"
         compiled = self.variants[variant].get()
         try:
-            out = compiled(*args, *self.tensors)
+            out = compiled(*args, *tensors)
         except RuntimeError:
             self.diagnose(args)  # an in-graph assertion: name the parameter if it is one
             raise
         if burn_in:
-            self._count_burn_in()
+            self._count_burn_in(states)
         if reuse:
             self.reused_steps += 1
         else:
             self.full_steps += 1
-            self.last_weights = weights if not burn_in else None
+            memo["weights"] = weights if not burn_in else None
         self.on_run()
         return out
 
@@ -105,20 +136,22 @@ class GraphRuntime:
         try:
             return tuple((id(a), a.data_ptr(), a._version) for a in
                          (args[i] for i in self.param_positions) if isinstance(a, torch.Tensor))
-        except RuntimeError:
+        except (RuntimeError, NotImplementedError, AttributeError):
             return None
 
     # ---- host-side phases ---------------------------------------------------------------
     def weights(self, args, plan: SitePlan) -> dict:
+        """The values a site's bound reads (tensor parallel: the rank's local shards)."""
         evaluator = ParamEvaluator(self.gm, args, self.kinds)
         cache: dict = {}
-        return {n: evaluator.evaluate(self.by_name[n], cache) for n in plan.site.weight_nodes}
+        return {n: to_local(evaluator.evaluate(self.by_name[n], cache))
+                for n in plan.site.weight_nodes}
 
     def _cold_start(self, args, cold) -> None:
         for plan, state in cold:
             weights = self.weights(args, plan)
             check_finite(plan, weights, self.by_name)
-            used = plan.policy.cold_start(weights, state.as_dict())
+            used = plan.policy.cold_start(weights, state.as_dict(), _generator(state))
             state.cold = False
             counters["geoscale"]["cold_starts"] += 1
             log.debug("geoscale: cold start of %s (%d power iterations)", plan.key, used)
@@ -128,24 +161,48 @@ class GraphRuntime:
         for plan in self.plans:
             check_finite(plan, self.weights(args, plan), self.by_name)
 
-    def calibrating(self) -> bool:
+    def calibrating(self, states: list[SiteState]) -> bool:
         """Auto-α: whether any site of this graph is still in its burn-in (host mirror)."""
         if not any(p.options.alpha == "auto" for p in self.plans):
             return False
-        for state in self.states:
+        for state in states:
             if state.calib_seen is None:  # one read after creation or a checkpoint load
                 state.calib_seen = (self.calib_steps if bool(state.calibrated)
                                     else int(state.calib_count))
-        return any(s.calib_seen < self.calib_steps for s in self.states)
+        return any(s.calib_seen < self.calib_steps for s in states)
 
-    def _count_burn_in(self) -> None:
-        for plan, state in zip(self.plans, self.states):
+    def _count_burn_in(self, states: list[SiteState]) -> None:
+        for plan, state in zip(self.plans, states):
             if state.calib_seen < self.calib_steps:
                 state.calib_seen += 1
                 if state.calib_seen == self.calib_steps:
                     alpha = finalize_calibration(plan, state)
                     log.info("geoscale: %s calibrated: alpha_final %s", plan.site.name,
                              [round(a, 6) for a in alpha.tolist()])
+
+
+def _owner_index(gm: GraphModule, plans: list[SitePlan]) -> int | None:
+    """Position among the graph's inputs of the first parameter placeholder a site reads."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for plan in plans:
+        for name in plan.site.weight_nodes:
+            stack, seen = [by_name[name]], set()
+            while stack:
+                node = stack.pop()
+                if node in seen:
+                    continue
+                seen.add(node)
+                if node.op == "placeholder":
+                    return placeholders.index(node)
+                stack.extend(node.all_input_nodes)
+    return None
+
+
+def _generator(state: SiteState) -> torch.Generator:
+    """Cold-start randomness from the site's key alone: data-parallel replicas of a site
+    (identical weights) start from identical power vectors, whatever their global seeds."""
+    return torch.Generator().manual_seed(zlib.crc32(state.key.encode()))
 
 
 def finalize_calibration(plan: SitePlan, state: SiteState) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from geoscale_fx import bounds, heads
 from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.estimators import Estimator, make_estimator
 from geoscale_fx.fp8 import overflowed
 from geoscale_fx.passes.site_model import AttentionSite
@@ -209,6 +210,8 @@ class GeometryScaling(ScalingPolicy):
         torch._assert_async(torch.isfinite(bound).all(),
                             f"{NON_FINITE_TAG} in attention site '{self.site.name}' "
                             f"(parameters {', '.join(self.site.param_names)})")
+        if per_layer_reduced(self.site, self.n_scale):   # one scale for heads on many ranks
+            bound = reduce_max(bound, self.site.shard)
         state["bound"].copy_(bound)
         alpha = self.alpha.value(state, seq_len)
         return bounds.scale_factor(alpha * bound, eta=self.options.eta,

@@ -104,13 +104,17 @@ def fold_affine(w_heads: torch.Tensor, gain: torch.Tensor | None = None,
         A_h = diag(g) W_h      c_h = W_hᵀ β + b_h       so  q_h = A_hᵀ x̂ + c_h
 
     ``w_heads``: (n, d, d_h); ``gain``/``offset``: (d,); ``bias``: (n, d_h). ``c`` is None
-    when there is neither offset nor bias.
+    when there is neither offset nor bias. Computed in float32 at least: ``g·W`` of two
+    bf16 factors is then exact (a bf16 product would round it by up to 2⁻⁸, under
+    ``MixedPrecisionPolicy(param_dtype=bfloat16)`` for instance).
     """
-    a = w_heads if gain is None else gain.reshape(1, -1, 1) * w_heads
+    w_heads = _accumulate(w_heads)
+    a = w_heads if gain is None else gain.to(w_heads.dtype).reshape(1, -1, 1) * w_heads
     c = None
     if offset is not None:
         c = torch.einsum("ndj,d->nj", w_heads, offset.to(w_heads.dtype))
     if bias is not None:
+        bias = bias.to(w_heads.dtype)
         c = bias if c is None else c + bias
     return a, c
 

@@ -51,6 +51,7 @@ class SiteState(nn.Module):
         super().__init__()
         self.names: tuple[str, ...] = tuple(s.name for s in specs)
         self.warm_names = frozenset(s.name for s in specs if s.warm)
+        self.key = ""             # the site's key in ``GeoscaleState`` (seeds its cold start)
         self.cold = True          # host-side: the next call initialises from the weights
         self.calib_seen: int | None = None   # host-side mirror of calib_count (auto-α)
         for spec in specs:
@@ -146,6 +147,7 @@ class GeoscaleState(nn.Module):
                 return site
             log.info("geoscale: state of %s changed shape; re-initialised", key)
         site = SiteState(specs, torch.device(device))
+        site.key = key
         self.sites[key] = site
         saved = self.sites.pending.pop(key, None)
         if saved:

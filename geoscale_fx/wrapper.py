@@ -23,7 +23,7 @@ from geoscale_fx.attach import (
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
-__all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
+__all__ = ["GeoscaleModule", "wrap", "STATE_ATTR", "mark_cold_without_state"]
 
 log = logging.getLogger("geoscale_fx")
 

@@ -2,8 +2,10 @@
 
 Pre-LN transformer: token + position embeddings, ``n_layer`` blocks of
 ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, a final LayerNorm and an lm_head tied to the
-token embedding. Attention uses one fused ``c_attn`` projection (d → 3d) split into q, k, v,
-and one of two lowerings:
+token embedding. Attention uses one fused ``c_attn`` projection (d → 3d) split into q, k, v
+(``qkv="separate"``: three projections ``c_q``, ``c_k``, ``c_v``, the layout tensor
+parallelism shards by heads with ``ColwiseParallel``, ``c_proj`` ``RowwiseParallel``; the
+views use ``-1`` heads, so a rank sees its local ones), and one of two lowerings:
 
 - ``attn_impl="sdpa"``: ``F.scaled_dot_product_attention(..., is_causal=True)``, the form a
   fused kernel sees;
@@ -29,6 +31,7 @@ from torch.nn import functional as F
 __all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block"]
 
 ATTN_IMPLS = ("sdpa", "explicit")
+QKV_LAYOUTS = ("fused", "separate")
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,11 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     attn_impl: str = "sdpa"
+    qkv: str = "fused"
 
     def __post_init__(self):
+        if self.qkv not in QKV_LAYOUTS:
+            raise ValueError(f"qkv={self.qkv!r}; allowed values: {QKV_LAYOUTS}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl={self.attn_impl!r}; allowed values: {ATTN_IMPLS}")
         if self.n_embd % self.n_head != 0:
@@ -58,7 +64,12 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
         self.attn_impl = config.attn_impl
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.qkv = config.qkv
+        if config.qkv == "fused":
+            self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        else:
+            self.c_q, self.c_k, self.c_v = (nn.Linear(config.n_embd, config.n_embd,
+                                                      bias=config.bias) for _ in range(3))
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -70,10 +81,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.size()
         hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 × (B, T, C)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qkv == "fused":
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 × (B, T, C)
+        else:  # under tensor parallelism each is this rank's heads: (B, T, C / tp)
+            q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         if self.attn_impl == "sdpa":
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
@@ -84,7 +98,7 @@ class CausalSelfAttention(nn.Module):
             att = F.softmax(att, dim=-1)
             att = self.attn_dropout(att)
             y = att @ v  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -147,6 +147,26 @@ def test_runner_reports_a_failing_scenario_and_keeps_going(ctx, capsys):
     assert "**Failed**" in (ctx.out_dir / "report.md").read_text()
 
 
-def test_ten_scenarios_are_registered():
-    assert len(SCENARIOS) == 10
-    assert len({s.key for s in SCENARIOS}) == 10
+def test_scenarios_are_registered():
+    assert len(SCENARIOS) == 11
+    assert len({s.key for s in SCENARIOS}) == 11
+    assert [s.key for s in SCENARIOS if not s.default] == ["distributed"]   # --only
+
+
+def test_distributed_scenario_times_two_ranks_against_one_process(tmp_path):
+    """Scenario 11 on a reduced set: per-rank step times and both ratios, from one run."""
+    import math
+
+    pytest.importorskip("torch.distributed")
+    from bench.scenarios import distributed
+
+    ctx = Context(out_dir=tmp_path, timing_compiler="aot_eager", step_scale=0.2,
+                  progress=False)
+    configs = {"one process": ("plain", "geometry/head"), "TP 2": ("plain", "geometry/head")}
+    rows = distributed.measure(ctx, configs)
+    assert sorted((r["config"], r["method"], r["rank"]) for r in rows) == sorted(
+        [("one process", m, 0) for m in configs["one process"]]
+        + [("TP 2", m, rank) for m in configs["TP 2"] for rank in (0, 1)])
+    for row in rows:
+        assert row["step ms"] > 0 and math.isfinite(row["vs one process"]), row
+        assert row["vs plain"] == 1.0 if row["method"] == "plain" else row["vs plain"] > 0

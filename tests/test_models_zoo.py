@@ -142,6 +142,28 @@ def test_nanogpt_sdpa_and_explicit_paths_give_the_same_logits():
         "explicit"
 
 
+def test_nanogpt_separate_qkv_is_the_fused_model_with_c_attn_split():
+    from models_zoo.nanogpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    fused = GPT(cfg).eval()
+    separate = GPT(dataclasses.replace(cfg, qkv="separate")).eval()
+    state = {}
+    for name, value in fused.state_dict().items():
+        if ".c_attn." not in name:
+            state[name] = value
+            continue
+        for part, chunk in zip("qkv", value.chunk(3, dim=0)):   # rows: q, then k, then v
+            state[name.replace("c_attn", f"c_{part}")] = chunk
+    separate.load_state_dict(state)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(fused(x)[0], separate(x)[0], atol=1e-6)
+    with pytest.raises(ValueError, match="qkv='joint'"):
+        GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32, qkv="joint")
+
+
 def test_nanogpt_is_causal_and_lm_loss_matches_its_targets_path():
     zoo = models_zoo.get("nanogpt")
     assert zoo.model.lm_head.weight is zoo.model.transformer.wte.weight  # tied

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+from geoscale_fx.passes.dtensor import dtensor_of, localize_term, to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import (
@@ -49,7 +50,7 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
         value = evaluator.evaluate(by_name[name])
         if value is None:
             raise ValueError(f"graph node {name!r} is not a function of the parameters")
-        return value
+        return to_local(value)   # tensor parallel: sites index the rank's local shards
 
     sites = []
     for i, cand in enumerate(find_candidates(gm.graph, kinds)):
@@ -179,6 +180,11 @@ def _pair_heads(cand: Candidate, q: HeadRows, k: HeadRows) -> tuple[list[int], t
 
 
 def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    for role, operand in (("query", cand.query), ("key", cand.key)):
+        if dtensor_of(operand) is not None:
+            raise Unsupported(f"the {role} `{operand.name}` is a DTensor (global view, "
+                              f"{tuple(dtensor_of(operand).placements)}): geoscale rewrites "
+                              "attention on local tensors (use_local_output=True)")
     checkers = {role: AngleChecker(evaluator) for role in ("query", "key")}
     q_trace = trace_operand(cand.query, kinds, checkers["query"], "query", order)
     q_track = q_trace.track
@@ -210,9 +216,28 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
             for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
                                              ("key", k_trace, k_track, k_rows)))
         terms += [Term(q, k) for q in q_sides for k in k_sides]
+    terms, shard = _localize(cand, terms, q_track.shape[-1])
     fields = _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
                      k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1])
-    return {**fields, **_value_side(cand, kinds, evaluator, order)}
+    value = _value_side(cand, kinds, evaluator, order) if shard is None else \
+        {"value_reason": "tensor parallel: the values' bound per local shard is not derived"}
+    return {**fields, **value, "shard": shard}
+
+
+def _localize(cand: Candidate, terms: list[Term], head_dim: int) -> tuple[list[Term], object]:
+    """Tensor parallel: every term's sides on the rank's local weight shards, and the one
+    ``HeadShard`` they share (None without DTensor weights)."""
+    by_name = {n.name: n for n in cand.node.graph.nodes}
+    local, shards = [], []
+    for term in terms:
+        q, k, shard = localize_term(term.q, term.k, by_name, head_dim)
+        local.append(Term(q, k))
+        shards.append(shard)
+    found = [s for s in shards if s is not None]
+    if found and (len(found) != len(shards) or any(s != found[0] for s in found)):
+        raise Unsupported(f"`{cand.node.name}`: the terms of the logits are sharded "
+                          "differently across ranks")
+    return local, (found[0] if found else None)
 
 
 def _value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
@@ -287,6 +312,10 @@ def _analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTra
                           f"onto the {n_k} heads of the cached key `{cand.key.name}`")
     q_side = _side_of(q_trace, q_rows, checker, kinds)
     q_side = replace(q_side, position_gain=_position_gain(cand, "query", q_rows, checker))
+    by_name = {n.name: n for n in cand.node.graph.nodes}
+    if localize_term(q_side, q_side, by_name, q_track.shape[-1])[2] is not None:
+        raise Unsupported(f"{why} — and the query is sharded (tensor parallel): a cached key "
+                          "under tensor parallelism is not supported yet")
     k_side = Side(source=Source(norm="observed", node=cand.key.name, width=1), weight=None,
                   layout="observed", features=tuple((g,) for g in range(n_k)),
                   observed_axes=axes)

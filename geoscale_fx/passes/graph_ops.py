@@ -19,6 +19,7 @@ from torch.fx import Node
 __all__ = [
     "op_of", "arg", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
     "ValueKinds", "module_path", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
+    "DTENSOR_OPS",
 ]
 
 _FUNCTIONS: dict[Any, str] = {
@@ -67,7 +68,15 @@ _METHODS: dict[str, str] = {
     "baddbmm": "baddbmm",
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
     "pow": "pow", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
+    "to_local": "to_local", "redistribute": "redistribute", "full_tensor": "full_tensor",
 }
+
+try:  # tensor parallelism: DTensor's constructor from a local tensor (passes/dtensor.py)
+    from torch.distributed.tensor._api import from_local as _from_local
+
+    _FUNCTIONS[_from_local] = "from_local"
+except ImportError:  # a build without torch.distributed
+    pass
 
 #: Ops that only move or copy elements (value semantics preserved element-wise).
 DATA_MOVEMENT = frozenset({
@@ -75,6 +84,9 @@ DATA_MOVEMENT = frozenset({
     "select", "squeeze", "unsqueeze", "flatten", "unflatten", "expand", "expand_as",
     "movedim", "repeat", "repeat_interleave", "unbind", "view_as", "cat", "stack",
 })
+
+#: DTensor's API in a graph (tensor parallelism; read by ``passes/dtensor.py``).
+DTENSOR_OPS = frozenset({"from_local", "to_local", "redistribute", "full_tensor"})
 
 #: Ops that keep every value (up to rounding): dtype/device casts and copies.
 VALUE_CASTS = frozenset({"cast", "contiguous", "clone", "detach"})

@@ -19,7 +19,9 @@ from torch.fx import GraphModule, Node
 
 from geoscale_fx import scaling
 from geoscale_fx.attention import explicit_attention, fused_attention
+from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.fp8 import fake_quantize_logits
+from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
 from geoscale_fx.plan import SitePlan
 
@@ -42,6 +44,8 @@ def _predict(plan: SitePlan, weights: dict, state: dict, seq_len) -> torch.Tenso
 
 def _observe(plan: SitePlan, amax: torch.Tensor, predicted: torch.Tensor,
              state: dict) -> torch.Tensor:
+    if per_layer_reduced(plan.site, plan.n_scale):   # one scale for heads on many ranks
+        amax = reduce_max(amax, plan.site.shard)
     divisor = plan.policy.divisor_after(amax, predicted)
     scaling.observe(plan.policy, amax, divisor, state)
     return divisor
@@ -167,6 +171,21 @@ def _replace_sdpa(graph, by_name, plan: SitePlan, names, weights, nodes) -> None
     graph.erase_node(node)
 
 
+def _local_weights(graph, weights: list[Node]) -> list[Node]:
+    """Tensor parallel: the program reads the rank's local shard of a DTensor weight (the
+    site's features index it; ``passes.dtensor``), never the global DTensor."""
+    body = next(n for n in graph.nodes if n.op != "placeholder")
+    local = []
+    for node in weights:
+        if dtensor_of(node) is None:
+            local.append(node)
+            continue
+        with graph.inserting_after(node) if node.op != "placeholder" else \
+                graph.inserting_before(body):
+            local.append(graph.call_method("to_local", (node,)))
+    return local
+
+
 def rewrite(gm: GraphModule, plans: Sequence[SitePlan],
             states: Sequence[Sequence[str]]) -> GraphModule:
     """A new GraphModule: ``gm`` (unchanged) with every planned site replaced.
@@ -187,7 +206,7 @@ def rewrite(gm: GraphModule, plans: Sequence[SitePlan],
             nodes.append(anchor)
         state_nodes.append(nodes)
     for plan, names, nodes in zip(plans, states, state_nodes):
-        weights = [by_name[w] for w in plan.weight_names]
+        weights = _local_weights(graph, [by_name[w] for w in plan.weight_names])
         replace = _replace_inplace if plan.lowering == "inplace" else _replace_sdpa
         replace(graph, by_name, plan, names, weights, nodes)
     graph.lint()

@@ -249,6 +249,9 @@ class AttentionSite:
     #: be traced (``value_reason`` says why)
     value: Optional[Side] = None
     value_reason: str = ""
+    #: tensor parallel: the query heads this rank holds (``passes.dtensor.HeadShard``); the
+    #: features above index the local weight shards
+    shard: Optional[object] = None
     _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
                                                               compare=False)
 

@@ -226,6 +226,10 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
         return value.with_(gain=bc.elementwise(torch.neg, value.gain))
     if op in ("mul", "div"):
         return _replay_scale(node, tracked, env, op, checker)
+    if op in ("from_local", "to_local", "redistribute", "full_tensor"):  # tensor parallel
+        from geoscale_fx.passes.dtensor import replay_dtensor
+
+        return replay_dtensor(node, op, value)
     if op in DATA_MOVEMENT:
         return _apply(node, tracked, env, op)
     raise Unsupported(f"`{node.name}` ({op or node.target}) on the path from the projection "
