@@ -88,6 +88,8 @@ def test_resume_from_state_dict_is_warm():
         model(_x())
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
+        for p in model.parameters():   # a full step (as after loading), not a weight-reusing one
+            p.add_(0.0)
         model(_x(2))
     expected = {k: model.geoscale_state.sites[k].scale.clone() for k in KEYS}
     torch._dynamo.reset()

@@ -237,9 +237,11 @@ def _tp_per_layer_placements_collectives(rank, world):
                 ref = max(_reference_scale(reference, b, [0, 1]),
                           _reference_scale(reference, b, [2, 3]))
                 assert math.isclose(scale.item(), ref, rel_tol=1e-5), (scale.item(), ref)
-    # per head: not one collective more than the TP model itself; per layer: one all-reduce
-    assert counts["plain"] and counts["head"] == counts["plain"], counts
-    assert counts["layer"] == [c + 1 for c in counts["plain"]], counts
+    # per head: not one collective more than the TP model itself; per layer: one all-reduce.
+    # An inference graph compiles two variants (predictive, weight-reusing): each is counted.
+    assert counts["plain"] and counts["head"] and set(counts["head"]) == set(counts["plain"]), \
+        counts
+    assert counts["layer"] and set(counts["layer"]) == {c + 1 for c in counts["plain"]}, counts
     # q sharded on d_model (rowwise q): no rank holds a whole head -> left as is, clearly
     before = dict(counters["geoscale"])
     model = _parallelize(_gpt(), mesh, _tp_plan(rowwise_qkv=True))
