@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.graph_ops import example_value, parameter_name
+from geoscale_fx.passes.graph_ops import example_value, parameter_name, upstream
 from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.plan import (
@@ -297,15 +297,8 @@ def _placeholder_values(gm: GraphModule, example_inputs) -> dict[str, Any]:
 
 def _upstream_placeholders(gm: GraphModule, names: Sequence[str]) -> list[Node]:
     by_name = {n.name: n for n in gm.graph.nodes}
-    seen, stack, found = set(), [by_name[n] for n in names if n in by_name], []
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op == "placeholder":
-            found.append(node)
-        stack.extend(node.all_input_nodes)
+    found = [n for n in upstream(by_name[n] for n in names if n in by_name)
+             if n.op == "placeholder"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(found, key=order.__getitem__)     # graph order: the same in every graph
 

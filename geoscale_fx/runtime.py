@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
-from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name
+from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name, upstream
 from geoscale_fx.plan import SitePlan
 from geoscale_fx.scaling import NonFiniteWeights
 from geoscale_fx.state import SiteState
@@ -187,15 +187,9 @@ def _owner_index(gm: GraphModule, plans: list[SitePlan]) -> int | None:
     by_name = {n.name: n for n in gm.graph.nodes}
     for plan in plans:
         for name in plan.site.weight_nodes:
-            stack, seen = [by_name[name]], set()
-            while stack:
-                node = stack.pop()
-                if node in seen:
-                    continue
-                seen.add(node)
+            for node in upstream([by_name[name]]):
                 if node.op == "placeholder":
                     return placeholders.index(node)
-                stack.extend(node.all_input_nodes)
     return None
 
 

@@ -18,7 +18,7 @@ from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, matmul_operands, module_path, op_of,
-    parameter_name, shape_of,
+    parameter_name, shape_of, upstream,
 )
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
@@ -269,22 +269,18 @@ _FACTORIES = (torch.zeros, torch.empty, torch.full, torch.ones)
 def _reads_cache(key: Node) -> bool:
     """The key reads a graph input or a buffer through data movement only (a KV cache:
     ``cat([past, k])``, a static cache written by ``index_copy_``, keys passed in)."""
-    stack, seen = [key], set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    def moves_data(node: Node) -> bool:
+        op = op_of(node)
+        return op in DATA_MOVEMENT or op in VALUE_CASTS or op in ("cat", "stack") or (
+            node.op == "call_method" and node.target in ("index_copy_", "copy_"))
+
+    for node in upstream([key], moves_data):
         if node.op == "placeholder":
             return True
         if node.op == "call_function" and node.target in _FACTORIES and any(
                 u.op == "call_method" and u.target in ("index_copy_", "copy_")
                 for u in node.users):
             return True   # a static cache allocated in this graph, then written in place
-        op = op_of(node)
-        if op in DATA_MOVEMENT or op in VALUE_CASTS or op in ("cat", "stack") or (
-                node.op == "call_method" and node.target in ("index_copy_", "copy_")):
-            stack.extend(node.all_input_nodes)
     return False
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 import operator
 import re
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
 __all__ = [
-    "op_of", "arg", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
+    "op_of", "arg", "upstream", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
     "ValueKinds", "module_path", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
     "DTENSOR_OPS",
 ]
@@ -119,6 +119,21 @@ def matmul_operands(node: Node) -> tuple[Any, Any]:
     if op == "einsum":
         return tuple(node.args[-2:])
     return tuple(node.args[:2])
+
+
+def upstream(start: Iterable[Node], follow: Callable[[Node], bool] | None = None
+             ) -> Iterator[Node]:
+    """Every node reachable backwards from ``start`` (depth first, each once); the inputs of
+    a node are visited only if ``follow(node)`` (default: always)."""
+    stack, seen = list(start), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        if follow is None or follow(node):
+            stack.extend(node.all_input_nodes)
 
 
 def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
