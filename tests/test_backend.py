@@ -310,6 +310,8 @@ def test_state_dict_round_trip_in_a_fresh_process_gives_the_same_first_scales(tm
             wrapped(**batch)
     torch.save({"state": wrapped.state_dict(), "batch": batches[3]}, tmp_path / "ckpt.pt")
     with torch.no_grad():
+        for p in zoo.model.parameters():   # a full step, as the fresh process's first one
+            p.add_(0.0)                    # (unchanged weights would reuse the last bound)
         wrapped(**batches[3])
     expected = torch.stack([r.state.scale for r in wrapped.geoscale.records.values()])
     script = textwrap.dedent(f"""

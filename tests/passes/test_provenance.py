@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 
 import geoscale_fx
 from geoscale_fx.capture import capture_graphs
+from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, op_of, parameter_name
 from geoscale_fx.passes.provenance import (
@@ -366,15 +367,22 @@ def test_find_projection_recognises_each_spelling(projections, index, layout, we
 
 
 @pytest.mark.parametrize("index", [4, 5])
-def test_operand_mixing_two_projections_is_unsupported(projections, index):
-    """A sum of two projections (two heads, or a LoRA adapter) reaches both roots, and the
-    sum is refused at the node that adds them."""
+def test_sum_of_two_maps_of_the_source_is_recorded(projections, index):
+    """A sum of two projections of the same input (two weights, or a LoRA adapter) reaches
+    both roots; the track keeps the first one's features and the sum is recorded, feature by
+    feature, for the analysis to fold into one effective weight."""
     operand = projections.operands[index]
     roots, *_ = find_projection(operand, projections.kinds, "query")
     assert len(roots) == 2
-    with pytest.raises(Unsupported, match=r"adds to the query/key something other than a "
-                                          r"rotary embedding.*a mix of two projections"):
-        projections.track(operand)
+    checker = AngleChecker(ParamEvaluator(projections.gm, projections.inputs, projections.kinds))
+    order = {n: i for i, n in enumerate(projections.gm.graph.nodes)}
+    trace = trace_operand(operand, projections.kinds, checker, "query", order)
+    ((kept, added, ratio),) = checker.sums
+    assert ratio == 1.0
+    offsets = dict((p.root, off) for p, off in trace.projections)
+    first, second = (p.root for p, _ in trace.projections)
+    torch.testing.assert_close(kept - offsets[first], added - offsets[second])
+    assert set(bc.compact(trace.track.feat).reshape(-1).tolist()) == set(range(D))
 
 
 def test_operand_without_projection_is_unsupported(projections):

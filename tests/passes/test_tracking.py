@@ -567,8 +567,6 @@ BAD_PATHS = {
     "divide_by_zero": (lambda p, m, x: _heads(p) / 0.0, "div", "divides the query/key by zero"),
     "kv_cache_concat": (lambda p, m, x: torch.cat((_heads(x), _heads(p)), dim=-2), "cat",
                         r"does not come from the projection \(e\.g\. a KV cache\)"),
-    "two_parts_summed": (lambda p, m, x: _heads(p[..., :D // 2], 2) + _heads(p[..., D // 2:], 2),
-                         "add", "adds to the query/key something other than a rotary"),
 }
 
 
@@ -620,12 +618,22 @@ def test_cast_taking_the_query_only_as_dtype_reference_is_unsupported():
     assert str(info.value).startswith(f"`{key.name}` (cast)")
 
 
-def test_site_whose_key_is_cast_like_the_query_is_unsupported():
+def test_site_whose_key_is_cast_like_the_query_is_bounded_by_its_own_values():
     """find_attention does not take the query's projection for a key that only borrows the
-    query's dtype."""
+    query's dtype: the key is the input itself, bounded by its actual norms (an observed
+    side on the key operand), never by the query's weights."""
     site = _site(Attention(_key_cast_like_query))
+    assert site.supported, site.reason
+    assert site.k.observed and site.k.weight is None
+
+
+def test_site_summing_two_parts_of_one_projection_is_unsupported():
+    """Two halves of one projection added: not two maps of the same features (a LoRA
+    adapter is), so the site is refused naming the attention."""
+    site = _site(Attention(lambda q, k, m, x: (q[..., :DH // 2].repeat(1, 1, 1, 2)
+                                               + q[..., DH // 2:].repeat(1, 1, 1, 2), k)))
     assert site.supported is False
-    assert "only as a dtype reference" in site.reason
+    assert "a mix of two projections" in site.reason
 
 
 def test_site_dividing_the_query_by_zero_is_unsupported():
