@@ -71,6 +71,9 @@ class GraphRuntime:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.param_positions = [i for i, n in enumerate(placeholders) if self.kinds.is_param(n)]
         self.full_steps = self.reused_steps = 0
+        self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs) or any(
+            isinstance(v, torch.SymInt) for n in placeholders
+            for v in [n.meta.get("example_value")])
         self.bind = bind
         self.owner_index = _owner_index(gm, plans)
         # owner tensor → (states, tensors, memo: the weights of its last full step)
@@ -80,11 +83,12 @@ class GraphRuntime:
             self.bound[example_inputs[self.owner_index]] = self._own
 
     def warm_up(self) -> None:
-        """Compile the variants now, inside Dynamo's compile (a graph with symbolic shapes
-        compiled later would be specialized to the example shapes): the one the next call
-        uses, and the weight-reusing one of inference graphs."""
+        """Compile the variant the next call uses now (compile errors surface here), and the
+        weight-reusing one of an inference graph with symbolic shapes too: compiled later,
+        outside Dynamo's compile, it would be specialized to the example shapes. With static
+        shapes it is compiled when a call first needs it (a one-shot call never does)."""
         self.variants["burn_in" if self.calibrating(self.states) else "predict"].get()
-        if "reuse" in self.variants:
+        if "reuse" in self.variants and self.symbolic:
             self.variants["reuse"].get()
 
     def _states_for(self, args) -> tuple[list[SiteState], list[torch.Tensor], dict]:

@@ -229,8 +229,8 @@ def test_observed_policies_have_no_estimator_state(scaling, extra):
     """delayed/current/none: common state (+ delayed history), no σ or α."""
     specs = _plan(scaling=scaling).state_specs()
     names = {s.name for s in specs}
-    assert names == {"steps", "bound", "scale", "amax", "max_scaled", "max_scaled_ever",
-                     "overflow_heads", "overflow_steps"} | extra
+    assert names == {"steps", "cached_steps", "bound", "scale", "amax", "max_scaled",
+                     "max_scaled_ever", "overflow_heads", "overflow_steps"} | extra
 
 
 def test_auto_alpha_state_has_the_calibration_buffers():
