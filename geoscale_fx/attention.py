@@ -80,8 +80,10 @@ def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optiona
         return q_idx >= kv_idx if is_causal else q_idx >= 0
 
     block_mask = create_block_mask(keep, None, None, q.shape[-2], k.shape[-2], device=q.device)
-    # the CPU template needs contiguous inputs
-    return flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), score_mod=score_mod,
+    # the CPU template needs contiguous inputs, and reads the query's buffer as 4-D: a decode
+    # query (B = L = 1) is "contiguous" as a view of its 2-D projection, so copy it always
+    q = q.clone(memory_format=torch.contiguous_format)
+    return flex_attention(q, k.contiguous(), v.contiguous(), score_mod=score_mod,
                           block_mask=block_mask, scale=softmax_scale, enable_gqa=enable_gqa)
 
 

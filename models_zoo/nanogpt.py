@@ -14,6 +14,11 @@ views use ``-1`` heads, so a rank sees its local ones), and one of two lowerings
 
 Both give the same logits for the same weights (eval mode).
 
+KV cache: ``model(idx, past_key_values=past, use_cache=True)`` returns ``(logits, loss,
+present)`` where ``past``/``present`` hold one ``(k, v)`` pair per layer, each
+``(B, n_head, T_past, hs)``; ``idx`` then holds the new tokens only (positions
+``T_past … T_past + T - 1``). Without ``use_cache`` the model returns ``(logits, loss)``.
+
     >>> model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
     >>> logits, loss = model(torch.randint(0, 256, (2, 8)))
     >>> logits.shape
@@ -28,10 +33,13 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block"]
+__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "MLP", "Block", "KVCache"]
 
 ATTN_IMPLS = ("sdpa", "explicit")
 QKV_LAYOUTS = ("fused", "separate")
+
+#: one ``(k, v)`` pair per layer, each ``(B, n_head, T_past, hs)``
+KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,10 @@ class CausalSelfAttention(nn.Module):
             self.register_buffer("bias", causal.view(1, 1, config.block_size, config.block_size),
                                  persistent=False)  # (1, 1, block_size, block_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer_past: tuple | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``(y, (k, v))`` for ``x (B, T, C)``: ``k, v`` are the keys and values of the past
+        (``layer_past``, each ``(B, nh, T_past, hs)``) followed by those of ``x``."""
         B, T, C = x.size()
         hs = C // self.n_head
         if self.qkv == "fused":
@@ -88,18 +99,34 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        if self.attn_impl == "sdpa":
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
-                is_causal=True)
-        else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
-            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-            att = F.softmax(att, dim=-1)
-            att = self.attn_dropout(att)
-            y = att @ v  # (B, nh, T, hs)
+        past = 0
+        if layer_past is not None:
+            past = layer_past[0].size(-2)
+            k = torch.cat([layer_past[0], k], dim=-2)  # (B, nh, T_past + T, hs)
+            v = torch.cat([layer_past[1], v], dim=-2)  # (B, nh, T_past + T, hs)
+        y = self._attend(q, k, v, past)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+    def _attend(self, q, k, v, past: int) -> torch.Tensor:
+        """Causal attention of ``q (B, nh, T, hs)`` at positions ``past … past + T - 1`` over
+        ``k, v (B, nh, past + T, hs)``."""
+        T, total = q.size(-2), k.size(-2)
+        if self.attn_impl == "sdpa":
+            dropout = self.dropout if self.training else 0
+            if past == 0:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
+                                                      is_causal=True)
+            # is_causal aligns the triangle top-left; with a past it must end bottom-right.
+            # One new token sees every key: no mask at all.
+            mask = None if T == 1 else torch.ones(T, total, dtype=torch.bool,
+                                                  device=q.device).tril(diagonal=past)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, total)
+        att = att.masked_fill(self.bias[:, :, past:total, :total] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        return att @ v  # (B, nh, T, hs)
 
 
 class MLP(nn.Module):
@@ -122,9 +149,13 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, layer_past: tuple | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``(x', (k, v))``: the block's output and its layer's keys and values (see
+        ``CausalSelfAttention.forward``)."""
+        y, present = self.attn(self.ln_1(x), layer_past)
+        x = x + y
+        return x + self.mlp(self.ln_2(x)), present
 
 
 class GPT(nn.Module):
@@ -155,30 +186,58 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                past_key_values: KVCache | None = None, use_cache: bool = False):
         """Logits ``(B, T, vocab)`` for token ids ``idx (B, T)``, and the mean cross-entropy
-        against ``targets (B, T)`` when given (else ``None``)."""
+        against ``targets (B, T)`` when given (else ``None``). With ``past_key_values`` the
+        tokens continue a sequence of ``T_past`` tokens whose keys and values it holds; with
+        ``use_cache`` the keys and values of the whole sequence are returned third."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        past = 0 if past_key_values is None else past_key_values[0][0].size(-2)
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} (past {past} + {T}) > block_size "
+                             f"{self.config.block_size}")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        layers_past = past_key_values or (None,) * len(self.transformer.h)
+        present = []
+        for block, layer_past in zip(self.transformer.h, layers_past):
+            x, kv = block(x, layer_past)
+            present.append(kv)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return (logits, loss, tuple(present)) if use_cache else (logits, loss)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` tokens after ``idx (B, T)``; returns ``(B, T + new)``."""
+                 generator: torch.Generator | None = None, do_sample: bool = True,
+                 use_cache: bool = False) -> torch.Tensor:
+        """Sample (or with ``do_sample=False`` pick greedily) ``max_new_tokens`` tokens after
+        ``idx (B, T)``; returns ``(B, T + new)``.
+
+        ``use_cache``: the prompt once, then one token per call with the KV cache. When the
+        sequence outgrows ``block_size`` the cache is dropped and the cropped context
+        recomputed, exactly as without a cache (so both give the same tokens).
+        """
+        cache = None
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]  # (B, ≤ block_size)
-            logits, _ = self(context)
-            probs = F.softmax(logits[:, -1, :] / temperature, dim=-1)  # (B, vocab)
-            next_id = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            if cache is not None and cache[0][0].size(-2) >= self.config.block_size:
+                cache = None
+            context = idx[:, -self.config.block_size:] if cache is None else idx[:, -1:]
+            if use_cache:
+                logits, _, cache = self(context, past_key_values=cache, use_cache=True)
+            else:
+                logits, _ = self(context)
+            next_id = self._next_token(logits[:, -1, :], temperature, generator, do_sample)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+    @staticmethod
+    def _next_token(logits, temperature, generator, do_sample) -> torch.Tensor:
+        """``(B, 1)`` ids from the last position's ``logits (B, vocab)``."""
+        if not do_sample:
+            return logits.argmax(dim=-1, keepdim=True)
+        probs = F.softmax(logits / temperature, dim=-1)  # (B, vocab)
+        return torch.multinomial(probs, num_samples=1, generator=generator)
