@@ -32,6 +32,12 @@ def build_hf(key: str, seed: int = 0):
                                        intermediate_size=128, vocab_size=128,
                                        max_position_embeddings=64, attn_implementation=impl,
                                        bos_token_id=0, eos_token_id=0)
+    elif family == "qwen2":   # GQA with q/k/v biases (not in HF_MODELS: tests/test_decode.py)
+        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=128, vocab_size=128,
+                                       max_position_embeddings=64, attn_implementation=impl,
+                                       bos_token_id=0, eos_token_id=0)
     else:
         cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64,
                                          num_attention_heads=8, num_key_value_heads=2,
