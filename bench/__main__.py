@@ -1,6 +1,6 @@
 """``python -m bench``: the model-zoo benchmark (quick profile by default, ≤ 10 min on 2 cores).
 
-    python -m bench                       # quick profile, all ten scenarios
+    python -m bench                       # quick profile, all eleven scenarios
     python -m bench --full                # more models and steps
     python -m bench --only overhead seq-len
     python -m bench --models pretrained-llama

@@ -1,6 +1,7 @@
-"""The ten scenarios of ``python -m bench``, in order."""
+"""The eleven scenarios of ``python -m bench``, in order."""
 from bench.runner import Scenario
 from bench.scenarios.calibration import quality, utilization
+from bench.scenarios.decoding import inference
 from bench.scenarios.performance import overhead, seq_len_sweep
 from bench.scenarios.tables import alpha_table, spectral_norms
 from bench.scenarios.transients import first_forward, lr_spike, resume, weight_spike
@@ -17,6 +18,7 @@ SCENARIOS = [
     Scenario("alpha-table", "8. alpha_min / gamma table", alpha_table),
     Scenario("spectral-norms", "9. Spectral norms of the pretrained models", spectral_norms),
     Scenario("quality", "10. Fine-tuning quality", quality),
+    Scenario("inference", "11. Inference: greedy decoding with a KV cache", inference),
 ]
 
 __all__ = ["SCENARIOS"]
