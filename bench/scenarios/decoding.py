@@ -9,7 +9,9 @@ on a fresh copy of the same weights:
 * plain Inductor: ``model.compile()``, so that ``generate``'s ``model(...)`` runs compiled;
 * geometry: ``geoscale_fx.apply_`` (the cached keys bounded by their actual norms every step,
   the weights' part of the bound reused while the weights do not change);
-* current scaling: ``apply_`` with ``scaling="current"`` (S materialized every step).
+* current scaling: ``apply_`` with ``scaling="current"`` (S materialized every step);
+* (full profile) geometry with the explicit lowering: the bound's cost without the fused
+  kernel.
 
 Tokens per second (generated tokens / wall time of ``generate``, prefill included) are
 medians of round-robin repeats, as ratios to plain Inductor measured in the same run. A
@@ -34,6 +36,9 @@ __all__ = ["inference", "decode_lengths"]
 #: name in the table -> GeoscaleOptions (None: plain Inductor)
 DECODE_METHODS = {"plain inductor": None, "geometry": METHODS["geometry/head"],
                   "current": METHODS["current"]}
+#: the full profile also runs geometry materialized: what the bound costs, without the fused
+#: kernel (on CPU, flex_attention's template is slower than SDPA's at these sizes)
+FULL_EXTRA = {"geometry explicit": dict(METHODS["geometry/head"], lowering="explicit")}
 BATCHES = (1, 8)
 
 
@@ -177,7 +182,7 @@ def _rows(lm, batch: int, models: dict, timing: tuple, audit: dict, prompt_len: 
                "ratio": seconds["plain inductor"] / seconds[name],
                "compile s": compile_s[name], "max scaled": None, "overflows": None,
                "tokens = plain": float((outputs[name][:, prompt_len:] == plain).float().mean())}
-        if name == "geometry":
+        if name.startswith("geometry"):     # the audit pass: the same scale, materialized
             row.update({"max scaled": audit["max_scaled"], "overflows": audit["overflows"],
                         "max |S|": audit["max_abs"]})
         elif name == "current":
@@ -194,12 +199,13 @@ def inference(ctx: Context) -> ScenarioResult:
     new = ctx.steps(new, new)           # tests shrink it
     result = _header(ctx, context, prompt_len, new)
     repeats = ctx.steps(7, 15)
-    bar = ctx.bar(len(lms) * (len(BATCHES) * len(DECODE_METHODS) + 1), "inference")
+    methods = {**DECODE_METHODS, **(FULL_EXTRA if ctx.full else {})}
+    bar = ctx.bar(len(lms) * (len(BATCHES) * len(methods) + 1), "inference")
     series = result.data.setdefault("geometry_max_scaled", {})
     for lm in lms:
         prompts = {b: _prompt(lm, ctx, b, prompt_len) for b in BATCHES}
         models = {name: _build(lm, options, ctx.timing_compiler)
-                  for name, options in DECODE_METHODS.items()}
+                  for name, options in methods.items()}
         audit = _audit(lm, prompts, new, ctx.compiler)
         bar.update(1)
         for batch, ids in prompts.items():
