@@ -1,7 +1,7 @@
 """``python -m bench``: the model-zoo benchmark (quick profile by default, ≤ 10 min on 2 cores).
 
-    python -m bench                       # quick profile, scenarios 1-10
-    python -m bench --only distributed    # 11: 2 processes (gloo), TP and FSDP2
+    python -m bench                       # quick profile, every default scenario
+    python -m bench --only distributed    # 13: 2 processes (gloo), TP and FSDP2
     python -m bench --full                # more models and steps
     python -m bench --only overhead seq-len
     python -m bench --models pretrained-llama

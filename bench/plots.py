@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["spike_plot", "norms_plot", "sweep_plot"]
+__all__ = ["spike_plot", "norms_plot", "sweep_plot", "decode_plot"]
 
 
 def _pyplot():
@@ -74,6 +74,38 @@ def sweep_plot(rows: list[dict], path: Path) -> str:
         ax.set_xlabel("sequence length")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name
+
+
+def decode_plot(rows: list[dict], series: dict, path: Path) -> str:
+    """(a) decoding tokens/s as a ratio to plain Inductor, per model and batch; (b) geometry's
+    largest scaled logit per decode step (audit pass) against the FP8 range."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    groups = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        ratios = [next(r["ratio"] for r in rows if (r["model"], r["batch"]) == g
+                       and r["method"] == method) for g in groups]
+        ax1.bar([j + i * width for j in range(len(groups))], ratios, width, label=method)
+    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax1.set_xticklabels([f"{m}\nbatch {b}" for m, b in groups], fontsize=8)
+    ax1.axhline(1.0, color="gray", ls=":", lw=1)
+    ax1.set_ylabel("tokens/s / plain Inductor's")
+    ax1.set_title("(a) decoding throughput")
+    ax1.legend(fontsize=8)
+    for name, values in series.items():
+        ax2.plot(range(1, len(values) + 1), values, marker="o", ms=2, label=name)
+    ax2.axhline(448, color="red", ls="--", lw=1, label="E4M3 max (448)")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("decode step")
+    ax2.set_ylabel("max |S| / scale")
+    ax2.set_title("(b) geometry: largest scaled logit")
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -203,6 +203,8 @@ class GPT(nn.Module):
         present = []
         for block, layer_past in zip(self.transformer.h, layers_past):
             x, kv = block(x, layer_past)
+            if use_cache and layer_past is None:   # the layout cat gives: one decode graph
+                kv = (kv[0].contiguous(), kv[1].contiguous())
             present.append(kv)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None

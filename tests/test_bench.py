@@ -9,7 +9,9 @@ models_zoo = pytest.importorskip("models_zoo")
 from bench.lms import BenchLM  # noqa: E402
 from bench.methods import TRANSIENT_METHODS  # noqa: E402
 from bench.runner import Context, Scenario, ScenarioResult, run_scenarios  # noqa: E402
-from bench.scenarios import SCENARIOS, calibration, performance, tables, transients  # noqa: E402
+from bench.scenarios import (  # noqa: E402
+    SCENARIOS, calibration, decoding, performance, tables, transients,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +123,41 @@ def test_utilization_and_quality(ctx):
     assert quality.rows[0]["method"] == "none"
 
 
+def test_inference_reports_tokens_per_second_ratios_and_decode_overflows(ctx):
+    """Scenario 11 on the tiny nanoGPT (its tuple cache): per batch, plain / geometry /
+    current with ratios to plain; geometry's audit pass over the decode calls: no overflow,
+    the largest scaled logit within η·R_max. (compiler "eager": the same graphs, compiled
+    in a third of aot_eager's time.)"""
+    import dataclasses
+
+    result = decoding.inference(dataclasses.replace(ctx, compiler="eager",
+                                                    timing_compiler="eager"))
+    _rows_have(result, "model", "batch", "method", "tokens/s", "ratio", "compile s",
+               "max scaled", "overflows", "tokens = plain")
+    assert [(r["batch"], r["method"]) for r in result.rows] == [
+        (b, m) for b in (1, 8) for m in ("plain inductor", "geometry", "current")]
+    # block_size 128: a 64-token prompt, 64 new tokens (× step_scale 0.2 in tests: 13)
+    assert "13 tokens after a 64-token prompt" in result.title
+    for row in result.rows:
+        assert row["tokens/s"] > 0 and 0 <= row["tokens = plain"] <= 1
+        if row["method"] == "plain inductor":
+            assert row["ratio"] == pytest.approx(1.0) and row["tokens = plain"] == 1.0
+        if row["method"] == "geometry":
+            assert row["overflows"] == 0
+            assert 0 < row["max scaled"] <= 0.8 * 448 * (1 + 1e-6)
+            assert row["max |S|"] > row["max scaled"] * 1e-6
+        if row["method"] == "current":
+            assert row["overflows"] == 0 and row["max scaled"] == pytest.approx(448, rel=1e-3)
+    series = result.data["geometry_max_scaled"]
+    assert [len(v) for v in series.values()] == [12, 12]     # decode calls: new tokens - 1
+    assert (ctx.out_dir / "inference.png").stat().st_size > 1000
+
+
+def test_decode_lengths_fill_the_context_up_to_the_issues_128_plus_128():
+    assert decoding.decode_lengths(128) == (64, 64)
+    assert decoding.decode_lengths(1024) == (128, 128)
+
+
 def test_tables(ctx):
     alpha = tables.alpha_table(ctx)
     _rows_have(alpha, "model", "gamma", "alpha_min")
@@ -148,13 +185,14 @@ def test_runner_reports_a_failing_scenario_and_keeps_going(ctx, capsys):
 
 
 def test_scenarios_are_registered():
-    assert len(SCENARIOS) == 11
-    assert len({s.key for s in SCENARIOS}) == 11
+    assert len(SCENARIOS) == 12
+    assert len({s.key for s in SCENARIOS}) == 12
     assert [s.key for s in SCENARIOS if not s.default] == ["distributed"]   # --only
+    assert [s.title.split(".")[0] for s in SCENARIOS] == [str(i) for i in (*range(1, 12), 13)]
 
 
 def test_distributed_scenario_times_two_ranks_against_one_process(tmp_path):
-    """Scenario 11 on a reduced set: per-rank step times and both ratios, from one run."""
+    """Scenario 13 on a reduced set: per-rank step times and both ratios, from one run."""
     import math
 
     pytest.importorskip("torch.distributed")

@@ -1,6 +1,7 @@
 """The scenarios of ``python -m bench``, in order."""
 from bench.runner import Scenario
 from bench.scenarios.calibration import quality, utilization
+from bench.scenarios.decoding import inference
 from bench.scenarios.distributed import scale_out
 from bench.scenarios.performance import overhead, seq_len_sweep
 from bench.scenarios.tables import alpha_table, spectral_norms
@@ -18,7 +19,8 @@ SCENARIOS = [
     Scenario("alpha-table", "8. alpha_min / gamma table", alpha_table),
     Scenario("spectral-norms", "9. Spectral norms of the pretrained models", spectral_norms),
     Scenario("quality", "10. Fine-tuning quality", quality),
-    Scenario("distributed", "11. Scale-out: 2 CPU processes, TP and FSDP2", scale_out,
+    Scenario("inference", "11. Inference: greedy decoding with a KV cache", inference),
+    Scenario("distributed", "13. Scale-out: 2 CPU processes, TP and FSDP2", scale_out,
              default=False),
 ]
 

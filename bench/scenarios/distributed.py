@@ -1,4 +1,4 @@
-"""Scenario 11: training step time on 2 CPU processes (gloo), tensor parallel and FSDP2.
+"""Scenario 13: training step time on 2 CPU processes (gloo), tensor parallel and FSDP2.
 
 One process group of 2 ranks runs every distributed configuration back to back; the
 single-process runs happen in this process right before, on the same machine, so every
@@ -126,9 +126,9 @@ def _free_port() -> int:
 
 
 def scale_out(ctx: Context) -> ScenarioResult:
-    """11. Per-rank training step time, TP and FSDP2 on 2 ranks, against one process."""
+    """13. Per-rank training step time, TP and FSDP2 on 2 ranks, against one process."""
     result = ScenarioResult(
-        "distributed", "11. Scale-out: training step on 2 CPU processes (gloo), TP and FSDP2 "
+        "distributed", "13. Scale-out: training step on 2 CPU processes (gloo), TP and FSDP2 "
         "against one process (nanoGPT 2x128, separate q/k/v, batch 8 x 128)",
         notes="Per-block compile, torchtitan's order (TP, compile, FSDP2). 'vs plain': against "
         "the same configuration without geoscale; 'vs one process': against the same method "
