@@ -22,9 +22,11 @@ options. ``apply_`` again with the same options changes nothing and says so.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import fields
+from typing import Optional
 
 from torch import nn
 
@@ -32,6 +34,7 @@ from geoscale_fx.attach import (
     GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.kv_cache import KVCacheManager, kv_format
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
 
@@ -43,10 +46,14 @@ log = logging.getLogger("geoscale_fx")
 _PEFT_KV_METHODS = {"PREFIX_TUNING": "prefix tuning"}
 
 
-def apply_(model: nn.Module, **options) -> nn.Module:
+def apply_(model: nn.Module, kv_cache: Optional[str] = None, **options) -> nn.Module:
     """Compile ``model`` in place with the geoscale backend (options as in
-    ``GeoscaleOptions``) and return it: same object, same class, state in its state_dict."""
+    ``GeoscaleOptions``) and return it: same object, same class, state in its state_dict.
+    ``kv_cache="fp8"``: ``model.generate`` keeps an FP8 KV cache with scales from the weights
+    (as in ``wrap``)."""
     opts = GeoscaleOptions.from_kwargs(**options)
+    if kv_cache is not None:
+        kv_format(kv_cache)
     name = type(model).__name__
     existing = geoscale_call(model)
     if existing is not None:
@@ -58,7 +65,29 @@ def apply_(model: nn.Module, **options) -> nn.Module:
         install_save_pretrained(model)
         hook_trainer_resume()
     _restore_beside_weights(model)
+    if kv_cache is not None:
+        _install_fp8_generate(model, kv_cache)
     return model
+
+
+def _install_fp8_generate(model: nn.Module, kv_cache: str) -> None:
+    """``model.generate`` (an instance attribute over the class's) with an FP8 cache."""
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        raise ValueError(f"geoscale_fx.apply_: kv_cache={kv_cache!r} needs a Hugging Face "
+                         f"model with generate; {type(model).__name__} has none")
+    manager = KVCacheManager(model, kv_cache)
+    model._geoscale_kv_cache = manager
+
+    @functools.wraps(generate)
+    def generate_fp8(*args, **kwargs):
+        kwargs = manager.generate_kwargs(args, kwargs)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            manager.after_generate()
+
+    model.generate = generate_fp8
 
 
 def _again(model: nn.Module, existing: GeoscaleCall, opts: GeoscaleOptions) -> nn.Module:

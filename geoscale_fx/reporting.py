@@ -28,7 +28,7 @@ __all__ = ["Report", "report", "site_records"]
 _COLUMNS = ("site", "head", "tp", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
             "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
-            "steps", "cached_steps", "certified")
+            "steps", "cached_steps", "certified", "k_scale", "v_scale", "kv_saturated")
 
 
 @dataclass
@@ -38,7 +38,9 @@ class Report:
     eager_calls: int = 0         # wrap/apply_ calls that Dynamo ran without our graphs
 
     def table(self, floatfmt: str = ".4g") -> str:
-        columns = [c for c in _COLUMNS if c != "tp" or any(r.get(c) for r in self.rows)]
+        optional = ("tp", "k_scale", "v_scale", "kv_saturated")
+        columns = [c for c in _COLUMNS
+                   if c not in optional or any(r.get(c) is not None for r in self.rows)]
         body = tabulate([[r.get(c) for c in columns] for r in self.rows], headers=columns,
                         floatfmt=floatfmt)
         if self.skipped:
@@ -73,6 +75,15 @@ def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
         # a site with no parameter upstream cannot be attributed: shown for every model
         skipped += [r for r in be.skipped if r.belongs_to(params) or not len(r.owners)]
     return done, skipped
+
+
+def kv_cache_manager(model: Any):
+    """The ``KVCacheManager`` of a model converted with ``kv_cache=...``, else None."""
+    for obj in (model, getattr(model, "model", None)):
+        manager = getattr(obj, "_geoscale_kv_cache", None) if obj is not None else None
+        if manager is not None:
+            return manager
+    return None
 
 
 def _certified(record: SiteRecord) -> bool:
@@ -127,6 +138,11 @@ def report(model: Any, per_head: bool = False) -> Report:
     """Rows (and ``str(report)`` a table) for every attention of a geoscale-compiled model."""
     done, skipped = site_records(model)
     rows = [row for record in done for row in _rows(record, per_head)]
+    kv = kv_cache_manager(model)
+    if kv is not None:           # FP8 KV cache: the scales of the last cache, saturations
+        per_site = kv.rows()
+        for row in rows:
+            row.update(per_site.get(row["site"], {}))
     left = [{"site": r.name, "reason": r.note or r.site.reason} for r in skipped]
     call = geoscale_call(model)
     return Report(rows, left, call.eager_calls if call is not None else 0)

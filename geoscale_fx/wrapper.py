@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Optional
 
 from torch import nn
 
@@ -21,6 +22,7 @@ from geoscale_fx.attach import (
     STATE_ATTR, GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.kv_cache import KVCacheManager, kv_format
 from geoscale_fx.state import GeoscaleState
 
 __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR", "mark_cold_without_state"]
@@ -56,7 +58,8 @@ class GeoscaleModule(nn.Module):
 
     forward = _ModelForward()
 
-    def __init__(self, model: nn.Module, options: GeoscaleOptions):
+    def __init__(self, model: nn.Module, options: GeoscaleOptions,
+                 kv_cache: Optional[str] = None):
         super().__init__()
         if geoscale_call(model) is not None:
             raise ValueError(f"geoscale_fx.wrap: {type(model).__name__} was already converted "
@@ -66,6 +69,8 @@ class GeoscaleModule(nn.Module):
         self._geoscale_call: GeoscaleCall = compile_with_geoscale(
             model, options, lambda **kw: compile_module(model, **kw))
         self.geoscale = self._geoscale_call.backend
+        if kv_cache is not None:
+            model._geoscale_kv_cache = KVCacheManager(model, kv_cache)
 
     @property
     def eager_calls(self) -> int:
@@ -92,15 +97,21 @@ class GeoscaleModule(nn.Module):
         """``method`` of the model (``generate`` …) with every ``model(...)`` it makes going
         through the geoscale-compiled call, as ``wrapped(...)`` does."""
         model, call = self._modules["model"], self._geoscale_call
+        kv = getattr(model, "_geoscale_kv_cache", None) if method.__name__ == "generate" \
+            else None
 
         @functools.wraps(method)
         def run(*args, **kwargs):
+            if kv is not None:
+                kwargs = kv.generate_kwargs(args, kwargs)
             previous = model._compiled_call_impl
             model._compiled_call_impl = call
             try:
                 return method(*args, **kwargs)
             finally:
                 model._compiled_call_impl = previous
+                if kv is not None:
+                    kv.after_generate()
 
         return run
 
@@ -114,10 +125,16 @@ class GeoscaleModule(nn.Module):
         return report(self, per_head=per_head)
 
 
-def wrap(model: nn.Module, **options) -> GeoscaleModule:
+def wrap(model: nn.Module, kv_cache: Optional[str] = None, **options) -> GeoscaleModule:
     """``model`` compiled with geoscale (options as in ``GeoscaleOptions``), state kept in it.
+
+    ``kv_cache="fp8"`` (or ``"fp8_e4m3"``, ``"fp8_e5m2"``): ``generate`` keeps keys and values
+    in an FP8 cache whose per-kv-head scales are predicted from the weights
+    (``geoscale_fx.kv_cache``), dynamic or static (``cache_implementation="static"``).
 
     The wrapper form: a new module around ``model``. ``geoscale_fx.apply_(model)`` converts
     the model in place instead (same class and methods: ``generate``, ``save_pretrained``).
     """
-    return GeoscaleModule(model, GeoscaleOptions.from_kwargs(**options))
+    if kv_cache is not None:
+        kv_format(kv_cache)                 # validated before anything is compiled
+    return GeoscaleModule(model, GeoscaleOptions.from_kwargs(**options), kv_cache)

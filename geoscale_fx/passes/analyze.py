@@ -17,7 +17,8 @@ from geoscale_fx.passes.dtensor import dtensor_of, localize_term, to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
 from geoscale_fx.passes.graph_ops import (
-    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, matmul_operands, module_path, op_of,
+    DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, example_value, matmul_operands, module_path,
+    op_of,
     parameter_name, shape_of, upstream,
 )
 from geoscale_fx.passes.provenance import (
@@ -268,7 +269,10 @@ _FACTORIES = (torch.zeros, torch.empty, torch.full, torch.ones)
 
 def _reads_cache(key: Node) -> bool:
     """The key reads a graph input or a buffer through data movement only (a KV cache:
-    ``cat([past, k])``, a static cache written by ``index_copy_``, keys passed in)."""
+    ``cat([past, k])``, a static cache written by ``index_copy_``, keys passed in), or is
+    dequantized from FP8 storage (an FP8 KV cache: ``bits.view(float8) · scale``)."""
+    if _dequantizes_fp8(key):
+        return True
     def moves_data(node: Node) -> bool:
         op = op_of(node)
         return op in DATA_MOVEMENT or op in VALUE_CASTS or op in ("cat", "stack") or (
@@ -282,6 +286,25 @@ def _reads_cache(key: Node) -> bool:
                 for u in node.users):
             return True   # a static cache allocated in this graph, then written in place
     return False
+
+
+def _dequantizes_fp8(key: Node) -> bool:
+    """An FP8 value upstream of ``key`` through data movement, casts and scalings only."""
+    def follow(node: Node) -> bool:
+        op = op_of(node)
+        return op in DATA_MOVEMENT or op in VALUE_CASTS or op in ("cat", "stack", "mul",
+                                                                  "div") or (
+            node.op == "call_method" and node.target in ("index_copy_", "copy_", "view",
+                                                         "float", "to"))
+
+    for node in upstream([key], follow):
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.dtype in _FP8_DTYPES:
+            return True
+    return False
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTrace,
