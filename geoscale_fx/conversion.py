@@ -34,7 +34,7 @@ from geoscale_fx.attach import (
     GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.kv_cache import KVCacheManager, kv_format
+from geoscale_fx.kv_cache import KVCacheManager
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
 
@@ -52,8 +52,7 @@ def apply_(model: nn.Module, kv_cache: Optional[str] = None, **options) -> nn.Mo
     ``kv_cache="fp8"``: ``model.generate`` keeps an FP8 KV cache with scales from the weights
     (as in ``wrap``)."""
     opts = GeoscaleOptions.from_kwargs(**options)
-    if kv_cache is not None:
-        kv_format(kv_cache)
+    kv = KVCacheManager(model, kv_cache) if kv_cache is not None else None
     name = type(model).__name__
     existing = geoscale_call(model)
     if existing is not None:
@@ -65,18 +64,14 @@ def apply_(model: nn.Module, kv_cache: Optional[str] = None, **options) -> nn.Mo
         install_save_pretrained(model)
         hook_trainer_resume()
     _restore_beside_weights(model)
-    if kv_cache is not None:
-        _install_fp8_generate(model, kv_cache)
+    if kv is not None:
+        _install_fp8_generate(model, kv)
     return model
 
 
-def _install_fp8_generate(model: nn.Module, kv_cache: str) -> None:
+def _install_fp8_generate(model: nn.Module, manager: KVCacheManager) -> None:
     """``model.generate`` (an instance attribute over the class's) with an FP8 cache."""
-    generate = getattr(model, "generate", None)
-    if not callable(generate):
-        raise ValueError(f"geoscale_fx.apply_: kv_cache={kv_cache!r} needs a Hugging Face "
-                         f"model with generate; {type(model).__name__} has none")
-    manager = KVCacheManager(model, kv_cache)
+    generate = model.generate
     model._geoscale_kv_cache = manager
 
     @functools.wraps(generate)

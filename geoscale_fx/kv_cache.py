@@ -248,9 +248,14 @@ class KVCacheManager:
     """A model's FP8 KV cache: scales from its weights, one cache per ``generate``."""
 
     def __init__(self, model: nn.Module, kv_cache: str):
+        self.fmt = kv_format(kv_cache)
+        if getattr(model, "generation_config", None) is None or not callable(
+                getattr(model, "generate", None)):
+            raise ValueError(f"kv_cache={kv_cache!r} needs a Hugging Face model that generates "
+                             f"with its Cache classes; {type(model).__name__} keeps its own "
+                             "cache (use kv_cache=None)")
         self.model = model
         self.kv_cache = kv_cache
-        self.fmt = kv_format(kv_cache)
         self.source = WeightKVScales(model)
         self.saturated: list[torch.Tensor] = []
         self.last_layers: Optional[list[LayerScales]] = None

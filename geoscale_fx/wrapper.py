@@ -22,7 +22,7 @@ from geoscale_fx.attach import (
     STATE_ATTR, GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.kv_cache import KVCacheManager, kv_format
+from geoscale_fx.kv_cache import KVCacheManager
 from geoscale_fx.state import GeoscaleState
 
 __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR", "mark_cold_without_state"]
@@ -64,13 +64,14 @@ class GeoscaleModule(nn.Module):
         if geoscale_call(model) is not None:
             raise ValueError(f"geoscale_fx.wrap: {type(model).__name__} was already converted "
                              "in place by geoscale_fx.apply_; call it directly")
+        kv = KVCacheManager(model, kv_cache) if kv_cache is not None else None
         self.model = model
         model._geoscale_wrapped = True     # apply_ on it would compile it a second time
         self._geoscale_call: GeoscaleCall = compile_with_geoscale(
             model, options, lambda **kw: compile_module(model, **kw))
         self.geoscale = self._geoscale_call.backend
-        if kv_cache is not None:
-            model._geoscale_kv_cache = KVCacheManager(model, kv_cache)
+        if kv is not None:
+            model._geoscale_kv_cache = kv
 
     @property
     def eager_calls(self) -> int:
@@ -135,6 +136,4 @@ def wrap(model: nn.Module, kv_cache: Optional[str] = None, **options) -> Geoscal
     The wrapper form: a new module around ``model``. ``geoscale_fx.apply_(model)`` converts
     the model in place instead (same class and methods: ``generate``, ``save_pretrained``).
     """
-    if kv_cache is not None:
-        kv_format(kv_cache)                 # validated before anything is compiled
     return GeoscaleModule(model, GeoscaleOptions.from_kwargs(**options), kv_cache)
