@@ -110,3 +110,33 @@ def decode_plot(rows: list[dict], series: dict, path: Path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path).name
+
+
+def kv_cache_plot(rows: list[dict], path: Path) -> str:
+    """(a) logit error of each scale source against the unquantized model, before and after
+    fine-tuning; (b) how much of the FP8 range the stored entries use (saturated above 1)."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    groups = list(dict.fromkeys((r["model"], r["phase"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        picked = [next(r for r in rows if (r["model"], r["phase"]) == g and r["method"] == method)
+                  for g in groups]
+        xs = [j + i * width for j in range(len(groups))]
+        ax1.bar(xs, [r["logit rel. error"] for r in picked], width, label=method)
+        ax2.bar(xs, [r["max |x|/scale / R_max"] for r in picked], width, label=method)
+    for ax in (ax1, ax2):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+        ax.set_xticklabels([f"{m}\n{p}" for m, p in groups], fontsize=8)
+        ax.set_yscale("log")
+    ax1.set_ylabel("logit RMS error / RMS logit")
+    ax1.set_title("(a) error of the FP8 KV cache")
+    ax1.legend(fontsize=8)
+    ax2.axhline(1.0, color="red", ls="--", lw=1, label="R_max (saturation)")
+    ax2.set_ylabel("max |x / scale| / R_max")
+    ax2.set_title("(b) FP8 range used by the cached entries")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name

@@ -186,7 +186,7 @@ class FP8Layer:
         self.saturated, self.compute_dtype = saturated, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.k_scale.numel() != key_states.shape[1]:
+        if self.k_scale.numel() not in (1, key_states.shape[1]):
             raise ValueError(f"FP8 KV cache: {key_states.shape[1]} key heads, but "
                              f"{self.k_scale.numel()} k scales (a tensor-parallel shard?)")
         self.compute_dtype = key_states.dtype

@@ -3,6 +3,7 @@ from bench.runner import Scenario
 from bench.scenarios.calibration import quality, utilization
 from bench.scenarios.decoding import inference
 from bench.scenarios.distributed import scale_out
+from bench.scenarios.kv_cache import fp8_kv_cache
 from bench.scenarios.performance import overhead, seq_len_sweep
 from bench.scenarios.tables import alpha_table, spectral_norms
 from bench.scenarios.transients import first_forward, lr_spike, resume, weight_spike
@@ -20,6 +21,8 @@ SCENARIOS = [
     Scenario("spectral-norms", "9. Spectral norms of the pretrained models", spectral_norms),
     Scenario("quality", "10. Fine-tuning quality", quality),
     Scenario("inference", "11. Inference: greedy decoding with a KV cache", inference),
+    Scenario("fp8-kv-cache", "12. FP8 KV cache: scales from the weights, 1.0, first batch, "
+             "ideal", fp8_kv_cache),
     Scenario("distributed", "13. Scale-out: 2 CPU processes, TP and FSDP2", scale_out,
              default=False),
 ]

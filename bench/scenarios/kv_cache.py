@@ -1,0 +1,211 @@
+"""Scenario 12: an FP8 KV cache, with k/v scales from four sources (issue 12).
+
+Per pretrained causal LM: a prompt of real text, then greedy decoding with a Hugging Face
+``DynamicCache`` whose layers store E4M3 (``geoscale_fx.kv_cache``), the scales from
+
+* (a) geometry — the certified per-kv-head bounds from the weights (``WeightKVScales``);
+* (b) unit — the engines' default ``k_scale = v_scale = 1.0``;
+* (c) first batch — vLLM's ``calculate_kv_scales``: ``amax(k) / 200`` and ``amax(v) / 100``
+  per layer (``K_SCALE_CONSTANT``/``V_SCALE_CONSTANT`` of ``vllm/envs.py``) on the first
+  batch it serves (here: a calibration batch of other text, then frozen);
+* (d) ideal — per step and per head, each new token's keys/values quantized with their own
+  max (an oracle: no engine knows the max before writing; scales kept per step).
+
+Measured against the unquantized model: cache bytes, the share of greedy tokens equal to the
+unquantized model's, the logit error on teacher-forced decoding of the unquantized model's own
+tokens (relative RMS per step, mean over steps — the error of the cache, not of divergence),
+saturated cache entries (|x / scale| ≥ R_max, clamped) and the largest |x / scale| / R_max.
+Then the same after a fine-tuning phase that changes the weights (AdamW on training text):
+geometry re-derives its scales from the new weights for free, the first-batch scales are
+stale unless the engine re-calibrates.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from bench.runner import Context, ScenarioResult
+from geoscale_fx.bounds import fp8_max
+from geoscale_fx.fp8 import quantize_dequantize
+from geoscale_fx.kv_cache import LayerScales, WeightKVScales, cache_nbytes, fp8_cache
+
+__all__ = ["fp8_kv_cache", "METHODS"]
+
+FMT = "e4m3"
+#: vLLM's defaults (vllm/envs.py): k_scale = amax(k) / 200, v_scale = amax(v) / 100
+VLLM_K_CONSTANT, VLLM_V_CONSTANT = 200.0, 100.0
+METHODS = ("geometry", "unit (1.0)", "first batch", "ideal per step")
+
+
+class _IdealLayer(DynamicLayer):
+    """Per step and per head: new states quantized with their own max (kept dequantized)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(self._fake(key_states), self._fake(value_states), *args, **kwargs)
+
+    @staticmethod
+    def _fake(states: torch.Tensor) -> torch.Tensor:
+        scale = states.abs().amax(dim=(0, 2, 3), keepdim=True).float() / fp8_max(FMT)
+        scale = scale.clamp_min(torch.finfo(torch.float32).tiny)
+        return (quantize_dequantize(states.float() / scale, FMT) * scale).to(states.dtype)
+
+
+def _ideal_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        ideal = object.__new__(_IdealLayer)
+        ideal.__dict__.update(layer.__dict__)
+        cache.layers[i] = ideal
+    return cache
+
+
+def _layer_scales(per_layer_k: list, per_layer_v: list) -> list[LayerScales]:
+    """LayerScales whose ``scales()`` give ``k``/``v`` (bounds = scale · R_max)."""
+    limit = fp8_max(FMT)
+    return [LayerScales(i, "", torch.ones(1), k.double() * limit, v.double() * limit)
+            for i, (k, v) in enumerate(zip(per_layer_k, per_layer_v))]
+
+
+def _plain_cache(model, ids: torch.Tensor) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _first_batch_scales(model, ids: torch.Tensor) -> list[LayerScales]:
+    cache = _plain_cache(model, ids)
+    return _layer_scales([c.keys.abs().amax().reshape(1) / VLLM_K_CONSTANT for c in cache.layers],
+                         [c.values.abs().amax().reshape(1) / VLLM_V_CONSTANT
+                          for c in cache.layers])
+
+
+def _caches(model, scales: dict[str, list[LayerScales]]):
+    """Per method: a fresh cache and its saturation counters (None for the oracle)."""
+    out = {}
+    for method, layer_scales in scales.items():
+        if layer_scales is None:
+            out[method] = (_ideal_cache(model.config), None)
+            continue
+        counters = [torch.zeros(2, dtype=torch.int64) for _ in layer_scales]
+        out[method] = (fp8_cache(model.config, layer_scales, FMT, counters), counters)
+    return out
+
+
+def _greedy(model, ids: torch.Tensor, new: int, cache=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0,
+                              past_key_values=cache)
+
+
+def _teacher_forced(model, tokens: torch.Tensor, prompt_len: int, cache) -> torch.Tensor:
+    """Logits ``(steps, B, V)`` predicting tokens ``prompt_len..`` one step at a time."""
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    with torch.no_grad():
+        logits = [model(tokens[:, :prompt_len], past_key_values=cache,
+                        use_cache=True).logits[:, -1]]
+        for t in range(prompt_len, tokens.shape[1] - 1):
+            logits.append(model(tokens[:, t:t + 1], past_key_values=cache,
+                                use_cache=True).logits[:, -1])
+    return torch.stack(logits).float()
+
+
+def _utilization(cache, layer_scales) -> float:
+    """Largest |entry / scale| / R_max over the cache (from the stored FP8 values)."""
+    if layer_scales is None:
+        return 1.0
+    worst = 0.0
+    for layer in cache.layers:
+        for bits in (layer.keys, layer.values):
+            worst = max(worst, float(bits.view(torch.float8_e4m3fn).float().abs().max()))
+    return worst / fp8_max(FMT)
+
+
+def _measure(lm, model, phase: str, scales: dict, prompt: torch.Tensor, new: int) -> list[dict]:
+    prompt_len = prompt.shape[1]
+    reference = _greedy(model, prompt, new)
+    ref_logits = _teacher_forced(model, reference, prompt_len, None)
+    plain_bytes = cache_nbytes(_plain_cache(model, reference))
+    rows = []
+    for method, (cache, counters) in _caches(model, scales).items():
+        logits = _teacher_forced(model, reference, prompt_len, cache)
+        error = ((logits - ref_logits).pow(2).mean(dim=(1, 2)).sqrt()
+                 / ref_logits.pow(2).mean(dim=(1, 2)).sqrt()).mean()
+        utilization = _utilization(cache, scales[method])
+        fresh = _caches(model, {method: scales[method]})[method][0]
+        tokens = _greedy(model, prompt, new, fresh)
+        agree = float((tokens[:, prompt_len:] == reference[:, prompt_len:]).float().mean())
+        k_scale = None if scales[method] is None else float(
+            torch.stack([s.scales(FMT)[0].max() for s in scales[method]]).max())
+        rows.append({
+            "model": lm.name, "phase": phase, "method": method,
+            "cache MB": None if counters is None else cache_nbytes(cache) / 2 ** 20,
+            "vs unquantized": None if counters is None else cache_nbytes(cache) / plain_bytes,
+            "tokens = unquantized": agree, "logit rel. error": float(error),
+            "saturated": None if counters is None else int(sum(int(c.sum()) for c in counters)),
+            "max |x|/scale / R_max": utilization, "max k_scale": k_scale})
+    return rows
+
+
+def _fine_tune(lm, model, ctx: Context, steps: int, lr: float) -> float:
+    """AdamW steps on training text; the relative change of the key projections' norm."""
+    keys = [p for n, p in model.named_parameters() if "k_proj" in n or "c_attn" in n]
+    before = torch.stack([p.detach().norm() for p in keys])
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    gen = ctx.generator(12)
+    for _ in range(steps):
+        loss = lm.loss(model, lm.batch(gen, 8, 64, "train"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    after = torch.stack([p.detach().norm() for p in keys])
+    return float(((after - before).abs() / before).max())
+
+
+def fp8_kv_cache(ctx: Context) -> ScenarioResult:
+    """12. FP8 KV cache: geometry, unit, first-batch and ideal scales, before and after a
+    fine-tuning phase."""
+    lms = ctx.causal_lms()
+    new = ctx.steps(48, 96)
+    batch = ctx.pick(4, 8)
+    tune_steps, lr = ctx.steps(20, 40), 1e-3
+    result = ScenarioResult(
+        "fp8-kv-cache", f"12. FP8 (E4M3) KV cache: greedy decoding of {new} tokens, batch "
+        f"{batch}, scales from the weights vs 1.0 vs the first batch vs ideal; then after "
+        f"{tune_steps} fine-tuning steps (AdamW, lr {lr:g})",
+        notes="Against the unquantized model. 'logit rel. error': RMS(logits - unquantized) / "
+        "RMS(unquantized) per step on teacher-forced decoding of the unquantized model's own "
+        "greedy tokens, mean over steps. 'saturated': cache entries with |x/scale| >= 448 "
+        "(clamped). 'max |x|/scale / R_max': how much of the FP8 range the stored entries use "
+        "(1 for the oracle by construction). First-batch scales follow vLLM's calc_kv_scales "
+        f"(amax/{VLLM_K_CONSTANT:g} for k, amax/{VLLM_V_CONSTANT:g} for v, per layer) on a "
+        "calibration batch of other text, frozen: after fine-tuning they are stale (an engine "
+        "would need another calibration pass); geometry's are re-derived from the new weights. "
+        "'ideal per step' is an oracle: each step's states with their own per-head max.")
+    bar = ctx.bar(len(lms) * 2 * len(METHODS), "fp8 kv cache")
+    for lm in lms:
+        model = lm.build()
+        prompt = lm.batch(ctx.generator(21), batch, 64, "val")["input_ids"]
+        calibration = lm.batch(ctx.generator(22), batch, 64, "val")["input_ids"]
+        source = WeightKVScales(model).capture(prompt[:1, :8])
+        first_batch = _first_batch_scales(model, calibration)
+        unit = _layer_scales([torch.ones(1)] * len(first_batch),
+                             [torch.ones(1)] * len(first_batch))
+        for phase in ("pretrained", "fine-tuned"):
+            if phase == "fine-tuned":
+                change = _fine_tune(lm, model, ctx, tune_steps, lr)
+                result.data.setdefault("key_weight_change", {})[lm.name] = change
+            scales = {"geometry": source.layers(), "unit (1.0)": unit,
+                      "first batch": first_batch, "ideal per step": None}
+            rows = _measure(lm, model, phase, scales, prompt, new)
+            result.rows += rows
+            bar.update(len(rows))
+    bar.close()
+    from bench.plots import kv_cache_plot
+
+    result.plots.append(kv_cache_plot(result.rows, ctx.out_dir / "fp8_kv_cache.png"))
+    return result
