@@ -160,7 +160,7 @@ def _operands(gm, site):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_descales_never_saturate_under_optimized_inputs(family):
+def test_descales_never_saturate_under_optimized_inputs(family, capsys):
     """max|x| / δ ≤ R_max for q, k and v of every site (η = 1: the tightest the certified
     bound allows), with gains ×4, biases perturbed and the input optimized against it."""
     model = build_hf(f"{family}-sdpa")
@@ -195,7 +195,9 @@ def test_descales_never_saturate_under_optimized_inputs(family):
         opt.zero_grad()
         (-sum(s.sum() for s in scaled)).backward()
         opt.step()
-    assert worst > 0.1 * 448.0, worst      # the inputs did push towards the bound
+    assert worst > 0.5 * 448.0, worst      # the inputs pushed close to the bound (0.88-0.95)
+    with capsys.disabled():
+        print(f"\n{family}: worst max|x|/δ over q, k, v = {worst / 448.0:.3f} · R_max")
 
 
 # ---- the backend end to end ---------------------------------------------------------------
@@ -237,7 +239,8 @@ def test_backend_matches_unquantized_within_fp8_noise(family):
 
 def test_descales_follow_a_weight_update():
     """The bounds are computed in the graph from the parameters at every call: scaling the
-    values' projection by 3 scales v's descale by 3 at the next call, with no recompile."""
+    values' projection by 3 scales v's descale by 3 at the next call, with no recompile; a
+    call with unchanged weights reuses the descales and gives the same output."""
     model = _nanogpt()
     wrapped = geoscale_fx.wrap(model, lowering="fp8_qkv", compiler="aot_eager")
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -248,7 +251,11 @@ def test_descales_follow_a_weight_update():
         attn = model.transformer.h[0].attn
         attn.c_attn.weight[2 * 32:].mul_(3.0)       # the v rows of the fused projection
         attn.c_attn.bias[2 * 32:].mul_(3.0)
-        wrapped(ids)
+        updated = wrapped(ids)[0]
+        again = wrapped(ids)[0]         # unchanged weights: the descales are reused
+    runtime = wrapped.geoscale.runtimes[0]
+    assert (runtime.full_steps, runtime.reused_steps) == (2, 1)
+    assert torch.equal(again, updated)
     after = {r: getattr(record.state, f"{r}_scale") for r in "qkv"}
     assert record.site.name.endswith("h.0.attn")
     assert torch.allclose(after["v"], 3 * before["v"], rtol=1e-5)
@@ -281,8 +288,11 @@ def test_explicit_attention_keeps_the_logit_lowering_and_says_why(caplog):
     model = build_hf("gpt2-eager")
     backend = geoscale_fx.backend(lowering="fp8_qkv", compiler="aot_eager")
     ids = torch.randint(0, 64, (1, 8))
+    counters.clear()
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"), torch.no_grad():
         torch.compile(model, backend=backend)(ids)
+    assert counters["geoscale"]["fp8_qkv_fallback"] == 2
+    assert counters["geoscale"]["rewrite_fp8_qkv"] == 0
     plans = [r.plan for r in backend.records.values()]
     assert [p.lowering for p in plans] == ["inplace", "inplace"]
     assert all("replaces SDPA calls" in p.qkv_fallback for p in plans)
