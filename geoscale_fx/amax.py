@@ -60,7 +60,7 @@ def side_amax(side: Side, resolve) -> torch.Tensor:
 
 def _pair_bound(a, c, rho, pairs, channels: Optional[list] = None) -> torch.Tensor:
     channels = range(len(pairs)) if channels is None else channels
-    index = torch.tensor([[i, pairs[i]] for i in channels])                  # (m, 2)
+    index = torch.tensor([[i, pairs[i]] for i in channels], device=a.device)  # (m, 2)
     block = a[:, :, index]                                                   # (n, d, m, 2)
     norms = torch.linalg.matrix_norm(block.permute(0, 2, 1, 3), ord=2)       # (n, m)
     if c is not None:
@@ -85,8 +85,12 @@ def _combined(sides: list[Side], resolve) -> torch.Tensor:
     return torch.stack(list(groups.values())).amax(dim=0)
 
 
-def site_amax_bounds(site: AttentionSite) -> dict[str, torch.Tensor]:
-    resolve = site._resolve
+def site_amax_bounds(site: AttentionSite, resolve=None) -> dict[str, torch.Tensor]:
+    """``{"q": (n_q,), "k": (n_kv,), "v": (n_kv,)}`` float64 bounds on ``max |entry|`` per
+    head. ``resolve`` maps the site's node names to tensors (default: the site's own
+    resolver, i.e. the current parameters); the math is traceable, so the backend evaluates
+    it inside the compiled graph on the weight nodes (``geoscale_fx.qkv_scaling``)."""
+    resolve = site._resolve if resolve is None else resolve
     out = {"q": _combined([t.q for t in site.terms], resolve),
            "k": _combined([t.k for t in site.terms], resolve)}
     if site.value is None:

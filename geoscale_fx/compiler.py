@@ -127,8 +127,9 @@ class GeoscaleBackend:
                 counters["geoscale"][f"modifier_{modifier.kind}"] += 1
         lowerings = [p.lowering for p in plans]
         log.info("geoscale: %d attention sites, %d rewritten (fused %d, explicit %d, in-place "
-                 "%d), %d left as is", len(sites), len(plans), lowerings.count("fused"),
-                 lowerings.count("explicit"), lowerings.count("inplace"),
+                 "%d, fp8 q/k/v %d), %d left as is", len(sites), len(plans),
+                 lowerings.count("fused"), lowerings.count("explicit"),
+                 lowerings.count("inplace"), lowerings.count("fp8_qkv"),
                  len(sites) - len(plans))
         training = _graph_context(gm, sites, _placeholder_values(gm, example_inputs),
                                   0).training
@@ -166,7 +167,15 @@ class GeoscaleBackend:
             if isinstance(result, Skip):
                 self._skip(site, result.reason, owners)
                 continue
-            if result.lowering_reason:
+            if result.qkv_fallback:
+                counters["geoscale"]["fp8_qkv_fallback"] += 1
+                log.warning("geoscale: %s keeps the %s logit lowering instead of fp8_qkv: %s",
+                            site.name, result.lowering, result.qkv_fallback)
+            if result.lowering == "fp8_qkv":
+                log.info("geoscale: %s: FP8 q/k/v attention, %s%s", site.name,
+                         result.qkv_kernel, f" ({result.lowering_reason})"
+                         if result.lowering_reason else "")
+            elif result.lowering_reason:
                 log.info("geoscale: %s uses the explicit lowering: %s", site.name,
                          result.lowering_reason)
                 if self.options.lowering == "fused":

@@ -29,7 +29,7 @@ GRANULARITIES = ("head", "layer")
 ESTIMATORS = ("power", "exact")
 ALPHA_POLICIES = ("theory", "auto")
 DELAYED_RECIPES = ("paper", "te")
-LOWERINGS = ("auto", "fused", "explicit")
+LOWERINGS = ("auto", "fused", "explicit", "fp8_qkv")
 COMPILERS = ("inductor", "aot_eager", "eager")
 
 
@@ -71,7 +71,11 @@ class GeoscaleOptions:
     history_len   delayed-scaling history length (None: the recipe's).
     rope_bound    "norm_product" | "relative" | "interaction" (see ``AttentionSite``).
     lowering      "auto" (fused flex_attention where the kernel supports the case, else an
-                  explicit attention), "fused" or "explicit".
+                  explicit attention), "fused", "explicit", or "fp8_qkv" (quantize q, k and v
+                  instead of the logits, with descales from the weights' certified amax
+                  bounds: FlashAttention-3's FP8 kernel on CUDA, its emulation elsewhere;
+                  sites where q/k/v cannot be bounded keep "auto", with the reason logged and
+                  reported). Needs scaling="geometry"; α applies to those sites' logits only.
     compiler      "inductor" (default), "aot_eager" (tests: fast, no codegen) or "eager".
     calib_steps, quantile, kappa, alpha0   auto-α (Algorithm 5): burn-in length T_calib,
                   quantile q of the slack ratios, safety multiplier κ ≥ 1, α during burn-in.
@@ -154,6 +158,15 @@ class GeoscaleOptions:
                              "(find_attention(..., rope_bound=...) / site.with_rope_bound); the "
                              "backend takes 'norm_product' or 'interaction', got "
                              "rope_bound='relative' with scaling=" + repr(self.scaling))
+        if self.lowering == "fp8_qkv":
+            if self.scaling != "geometry":
+                raise ValueError("lowering='fp8_qkv' predicts the q/k/v scales from the "
+                                 f"weights; it needs scaling='geometry', got "
+                                 f"scaling={self.scaling!r}")
+            if self.audit or self.alpha == "auto":
+                reason = "audit=True" if self.audit else "alpha='auto'"
+                raise ValueError(f"lowering='fp8_qkv' never materializes the logits, but "
+                                 f"{reason} observes them; use lowering='auto' or 'explicit'")
         if self.lowering == "fused" and self.materializes_scores:
             reason = "audit=True" if self.audit else f"scaling={self.scaling!r}"
             raise ValueError(f"lowering='fused' never materializes the scores, but {reason} "

@@ -12,7 +12,12 @@ Lowerings:
 * ``"explicit"``: SDPA replaced by a materialized attention (audits, delayed/current scaling,
   auto-α burn-in, CPU training, dropout);
 * ``"inplace"``: the model's own explicit attention keeps its mask, softmax and ``· V``; the
-  softmax's input (``logits`` role: the scores, or the softcap's output) is quantized.
+  softmax's input (``logits`` role: the scores, or the softcap's output) is quantized;
+* ``"fp8_qkv"`` (only when asked for: ``lowering="fp8_qkv"``): SDPA replaced by attention on
+  FP8 q, k, v with descales predicted from the weights (``geoscale_fx.qkv_scaling``) —
+  FlashAttention-3's FP8 kernel (``qkv_kernel="fa3"``) or its emulation (``"emulated"``).
+  A site whose q, k or v bound cannot be derived keeps a logit lowering, and the plan says
+  why (``qkv_fallback``).
 """
 from __future__ import annotations
 
@@ -20,10 +25,13 @@ from dataclasses import dataclass, replace
 
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.site_model import AttentionSite
+from geoscale_fx.qkv_attention import fa3_available
+from geoscale_fx.qkv_scaling import OperandScaling
 from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
 from geoscale_fx.state import StateSpec
 
-__all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant", "reuse_variant"]
+__all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant", "reuse_variant",
+           "qkv_fallback_reason"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class SitePlan:
     site: AttentionSite
     options: GeoscaleOptions
     key: str
-    lowering: str                   # "fused" | "explicit" | "inplace"
+    lowering: str                   # "fused" | "explicit" | "inplace" | "fp8_qkv"
     policy: ScalingPolicy
     n_scale: int                    # one scale per query head, or one per layer
     lowering_reason: str = ""       # why not fused (SDPA sites)
@@ -56,10 +64,15 @@ class SitePlan:
     #: the variant for calls whose weights did not change since the last full step (decode,
     #: inference): the bound's weight part is read from the state, not recomputed
     reuse_weights: bool = False
+    qkv_kernel: str = ""            # fp8_qkv: "fa3" (the CUDA kernel) or "emulated"
+    #: lowering="fp8_qkv" was asked for but this site keeps a logit lowering: why
+    qkv_fallback: str = ""
 
     @property
     def weight_names(self) -> tuple[str, ...]:
         """Graph nodes whose values the program receives (weights, biases, gains)."""
+        if self.lowering == "fp8_qkv":
+            return self.site.operand_nodes
         return self.site.weight_nodes if self.policy.estimators else ()
 
     @property
@@ -75,12 +88,16 @@ class SitePlan:
     def certified(self) -> bool:
         """A proof, when the exact route ran and α ≥ 1: per head, every term certified."""
         opt = self.options
+        if self.lowering == "fp8_qkv":   # the q/k/v amax bounds are exact, α does not apply
+            return self.site.supported
         assumed = self.site.rope and opt.rope_bound == "interaction"   # the paper's, for RoPE
         return (self.site.certified and not assumed and opt.scaling == "geometry"
                 and opt.granularity == "head" and isinstance(opt.alpha, (int, float))
                 and opt.alpha >= 1.0)
 
     def state_specs(self) -> list[StateSpec]:
+        if self.lowering == "fp8_qkv":
+            return self.policy.specs()
         return common_specs(self.n_scale) + self.policy.specs()
 
     @property
@@ -111,6 +128,37 @@ def _sdpa_lowering(site: AttentionSite, options: GeoscaleOptions, policy: Scalin
     return ("explicit", "; ".join(reasons)) if reasons else ("fused", "")
 
 
+def qkv_fallback_reason(site: AttentionSite) -> str:
+    """Why FP8 q/k/v cannot be applied to a supported site ("" when it can)."""
+    if site.kind != "sdpa":
+        return (f"{site.kind} attention ({site.node}): fp8_qkv replaces SDPA calls; the "
+                "model's own attention keeps the in-place logit lowering")
+    if site.cached_keys:
+        return ("keys read from a KV cache are bounded by their actual values, not from the "
+                "weights")
+    if site.value is None:
+        return f"the values could not be traced to their projection ({site.value_reason})"
+    others = sorted({m.kind for m in site.modifiers if m.kind != "mask"})
+    if others:
+        return f"score modifiers {others} before the softmax"
+    return ""
+
+
+def _qkv_kernel(site: AttentionSite, options: GeoscaleOptions,
+                ctx: GraphContext) -> tuple[str, str]:
+    """``("fa3" | "emulated", why not the kernel)``."""
+    reasons = []
+    if not fa3_available(ctx.device):
+        reasons.append("no CUDA device with torch's FP8 FlashAttention-3 activated")
+    if ctx.training:
+        reasons.append("the FP8 kernel has no backward")
+    if options.fp8_format != "e4m3":
+        reasons.append("the FP8 kernel takes e4m3 only")
+    if site.has_mask or site.dropout_p > 0:
+        reasons.append("the FP8 kernel takes no mask and no dropout")
+    return ("emulated", "; ".join(reasons)) if reasons else ("fa3", "")
+
+
 def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
               ctx: GraphContext) -> SitePlan | Skip:
     """A plan for ``site``, or why it is left as is."""
@@ -119,6 +167,14 @@ def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
     if site.kind in ("mha", "encoder_layer"):
         return Skip(site, f"{site.kind}: an opaque fused op ({site.node}); analysed, "
                           "not rewritten")
+    fallback = ""
+    if options.lowering == "fp8_qkv":
+        fallback = qkv_fallback_reason(site)
+        if not fallback:
+            kernel, why = _qkv_kernel(site, options, ctx)
+            return SitePlan(site=site, options=options, key=key, lowering="fp8_qkv",
+                            policy=OperandScaling(site, options), n_scale=site.n_kv_heads,
+                            lowering_reason=why, qkv_kernel=kernel)
     n_scale = _n_scale(site, options)
     policy = make_policy(site, options, n_scale, ctx.n_heads_total)
     if site.kind == "explicit":
@@ -126,7 +182,7 @@ def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
     else:
         lowering, why = _sdpa_lowering(site, options, policy, ctx)
     return SitePlan(site=site, options=options, key=key, lowering=lowering, policy=policy,
-                    n_scale=n_scale, lowering_reason=why)
+                    n_scale=n_scale, lowering_reason=why, qkv_fallback=fallback)
 
 
 def reuse_variant(plan: SitePlan) -> SitePlan:

@@ -10,6 +10,13 @@ the norm that bound uses. Values are read from the sites' state (one host read p
 ``report``, never per step). Scaled-logit figures need the logits, so they are present for
 explicit lowerings and audits (``audit=True``) only. Sites left as is, and calls that Dynamo
 ran eagerly (without FP8), are listed with their reason.
+
+With ``lowering="fp8_qkv"`` a site's row holds the q, k and v descales (per kv head with
+``per_head=True``, else the largest); with an FP8 KV cache (``kv_cache="fp8"``) "k_scale"
+and "v_scale" are the cache's scales (the largest over kv heads) and "kv_saturated" counts the
+cached entries that reached ±R_max and "last_scaled"/"max_scaled" the largest
+``max|x|/δ`` of the three casts (the amax bounds are in the state: ``q_bound`` …); a site
+that kept a logit lowering says why in "note".
 """
 from __future__ import annotations
 
@@ -28,7 +35,9 @@ __all__ = ["Report", "report", "site_records"]
 _COLUMNS = ("site", "head", "tp", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
             "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
-            "steps", "cached_steps", "certified", "k_scale", "v_scale", "kv_saturated")
+            "steps", "cached_steps", "certified", "q_scale", "k_scale", "v_scale",
+            "kv_saturated", "note")
+_OPTIONAL = ("tp", "q_scale", "k_scale", "v_scale", "kv_saturated", "note")
 
 
 @dataclass
@@ -38,9 +47,8 @@ class Report:
     eager_calls: int = 0         # wrap/apply_ calls that Dynamo ran without our graphs
 
     def table(self, floatfmt: str = ".4g") -> str:
-        optional = ("tp", "k_scale", "v_scale", "kv_saturated")
-        columns = [c for c in _COLUMNS
-                   if c not in optional or any(r.get(c) is not None for r in self.rows)]
+        columns = [c for c in _COLUMNS if c not in _OPTIONAL or any(r.get(c) is not None
+                                                                     for r in self.rows)]
         body = tabulate([[r.get(c) for c in columns] for r in self.rows], headers=columns,
                         floatfmt=floatfmt)
         if self.skipped:
@@ -94,7 +102,33 @@ def _certified(record: SiteRecord) -> bool:
     return record.plan.certified and exact
 
 
+def _qkv_rows(record: SiteRecord, per_head: bool) -> list[dict]:
+    """Rows of an fp8_qkv site: heads are kv heads (the descales' layout)."""
+    plan = record.plan
+    values = {name: t.detach().double().cpu() for name, t in record.state.as_dict().items()}
+    n = values["k_scale"].numel()
+    rows = []
+    for h in (range(n) if per_head else [None]):
+        def pick(t, h=h):
+            return float(t.reshape(-1)[h]) if h is not None else float(t.max())
+        last = max(pick(values[f"{r}_max_scaled"]) for r in "qkv")
+        rows.append({
+            "site": record.name, "head": h if h is not None else f"{n} kv head(s)",
+            "lowering": f"fp8_qkv ({plan.qkv_kernel})", "scaling": plan.options.scaling,
+            "q_scale": pick(values["q_scale"]), "k_scale": pick(values["k_scale"]),
+            "v_scale": pick(values["v_scale"]), "last_scaled": last,
+            "max_scaled": max(pick(values[f"{r}_max_scaled_ever"]) for r in "qkv"),
+            "overflow_steps": int(values["overflow_steps"]),
+            "utilization": last / bounds.fp8_max(plan.options.fp8_format),
+            "steps": int(values["steps"]), "cached_steps": int(values["cached_steps"]),
+            "certified": plan.certified,
+        })
+    return rows
+
+
 def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
+    if record.plan.lowering == "fp8_qkv":
+        return _qkv_rows(record, per_head)
     st, plan = record.state, record.plan
     fmt_max = bounds.fp8_max(plan.options.fp8_format)
     values = {name: t.detach().double().cpu() for name, t in st.as_dict().items()}
@@ -130,6 +164,8 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
             "steps": int(values["steps"]),
             "cached_steps": int(values["cached_steps"]) if "cached_steps" in values else 0,
             "certified": _certified(record),
+            "note": (f"fp8_qkv not applied: {plan.qkv_fallback}" if plan.qkv_fallback
+                     else None),
         })
     return rows
 

@@ -148,8 +148,8 @@ class GraphRuntime:
         """The values a site's bound reads (tensor parallel: the rank's local shards)."""
         evaluator = ParamEvaluator(self.gm, args, self.kinds)
         cache: dict = {}
-        return {n: to_local(evaluator.evaluate(self.by_name[n], cache))
-                for n in plan.site.weight_nodes}
+        names = dict.fromkeys(plan.site.weight_nodes + plan.weight_names)
+        return {n: to_local(evaluator.evaluate(self.by_name[n], cache)) for n in names}
 
     def _cold_start(self, args, cold) -> None:
         for plan, state in cold:

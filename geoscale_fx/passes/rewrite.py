@@ -1,7 +1,8 @@
 """The rewrite: replace each planned attention with a program that scales its logits to FP8.
 
 For an SDPA site the call is replaced by ``program(q, k, v, attn_mask, *weights, *state)``
-(fused flex_attention or explicit attention, ``geoscale_fx.attention``). For a model's own
+(fused flex_attention or explicit attention, ``geoscale_fx.attention``; with
+``lowering="fp8_qkv"`` attention on FP8 q, k, v, ``geoscale_fx.qkv_attention``). For a model's own
 explicit attention the softmax's input (the ``logits`` role: the scores ``q @ kᵀ``, or a
 softcap's output) is routed through ``program(logits, *weights, *state)``, which quantizes it
 in place of the original and leaves the model's mask, softmax and ``· V`` as they were.
@@ -24,6 +25,7 @@ from geoscale_fx.fp8 import fake_quantize_logits
 from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
 from geoscale_fx.plan import SitePlan
+from geoscale_fx.qkv_attention import emulated_fp8_attention, fa3_fp8_attention
 
 __all__ = ["make_program", "rewrite", "sdpa_call_options"]
 
@@ -74,6 +76,28 @@ def _sdpa_program(plan: SitePlan, state_names: Sequence[str], call: dict) -> Cal
     return program
 
 
+def _qkv_program(plan: SitePlan, state_names: Sequence[str], call: dict) -> Callable:
+    """SDPA on FP8 q, k, v with the descales the weights give this step."""
+    opt, n_w = plan.options, len(plan.weight_names)
+
+    def program(q, k, v, attn_mask, *rest):
+        weights = dict(zip(plan.weight_names, rest[:n_w]))
+        state = dict(zip(state_names, rest[n_w:]))
+        descales = plan.policy.descales(weights, state, reuse=plan.reuse_weights)
+        if plan.qkv_kernel == "fa3":
+            out = fa3_fp8_attention(q, k, v, *descales, softmax_scale=call["softmax_scale"],
+                                    is_causal=call["is_causal"])
+        else:
+            out = emulated_fp8_attention(q, k, v, *descales, attn_mask=attn_mask,
+                                         fmt=opt.fp8_format, softmax_scale=call["softmax_scale"],
+                                         is_causal=call["is_causal"],
+                                         dropout_p=call["dropout_p"])
+        plan.policy.record((q, k, v), descales, state)
+        scaling.finish_step(state, plan.site.cached_keys)
+        return out
+    return program
+
+
 def _lead_view(logits: torch.Tensor, plan: SitePlan) -> torch.Tensor:
     """``(batch, period, L, L')``: leading slices grouped so that index 1 picks the head."""
     site = plan.site
@@ -114,6 +138,8 @@ def make_program(plan: SitePlan, state_names: Sequence[str], *, sdpa_call: dict 
     """The function a rewritten node calls (named after the site for readable graphs)."""
     if plan.lowering == "inplace":
         program = _inplace_program(plan, state_names, unit)
+    elif plan.lowering == "fp8_qkv":
+        program = _qkv_program(plan, state_names, sdpa_call or {})
     else:
         program = _sdpa_program(plan, state_names, sdpa_call or {})
     program.__name__ = program.__qualname__ = f"geoscale_{plan.key}"

@@ -295,6 +295,14 @@ class AttentionSite:
         return tuple(dict.fromkeys(terms + [m.param for m in self.modifiers if m.param]))
 
     @property
+    def operand_nodes(self) -> tuple[str, ...]:
+        """Every graph node the q, k and v amax bounds read (``amax_bounds``): the terms'
+        weights, biases and gains, and the values' projection."""
+        names = [n for t in self.terms for n in t.node_names]
+        names += list(self.value.node_names) if self.value is not None else []
+        return tuple(dict.fromkeys(names))
+
+    @property
     def cached_keys(self) -> bool:
         """Some keys are read from a cache (a decode step), bounded by their actual norms."""
         return any(t.k.observed for t in self.terms)
