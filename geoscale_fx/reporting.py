@@ -12,11 +12,11 @@ explicit lowerings and audits (``audit=True``) only. Sites left as is, and calls
 ran eagerly (without FP8), are listed with their reason.
 
 With ``lowering="fp8_qkv"`` a site's row holds the q, k and v descales (per kv head with
-``per_head=True``, else the largest); with an FP8 KV cache (``kv_cache="fp8"``) "k_scale"
-and "v_scale" are the cache's scales (the largest over kv heads) and "kv_saturated" counts the
-cached entries that reached ±R_max and "last_scaled"/"max_scaled" the largest
+``per_head=True``, else the largest) and "last_scaled"/"max_scaled" the largest
 ``max|x|/δ`` of the three casts (the amax bounds are in the state: ``q_bound`` …); a site
-that kept a logit lowering says why in "note".
+that kept a logit lowering says why in "note". With an FP8 KV cache (``kv_cache="fp8"``)
+"k_scale" and "v_scale" are the cache's scales (the largest over kv heads) and
+"kv_saturated" counts the cached entries that reached ±R_max.
 """
 from __future__ import annotations
 
