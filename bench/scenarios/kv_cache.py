@@ -127,13 +127,25 @@ def _measure(lm, model, phase: str, scales: dict, prompt: torch.Tensor, new: int
     prompt_len = prompt.shape[1]
     reference = _greedy(model, prompt, new)
     ref_logits = _teacher_forced(model, reference, prompt_len, None)
-    plain_bytes = cache_nbytes(_plain_cache(model, reference))
+    plain = _plain_cache(model, reference)
+    plain_bytes = cache_nbytes(plain)
+    bf16_bytes = plain_bytes // plain.layers[0].keys.element_size() * 2
+    dtype_name = str(plain.layers[0].keys.dtype).replace("torch.", "")
     rows = []
-    for method, (cache, counters) in _caches(model, scales).items():
+
+    def error(cache) -> float:
         logits = _teacher_forced(model, reference, prompt_len, cache)
-        error = ((logits - ref_logits).pow(2).mean(dim=(1, 2)).sqrt()
-                 / ref_logits.pow(2).mean(dim=(1, 2)).sqrt()).mean()
+        return float(((logits - ref_logits).pow(2).mean(dim=(1, 2)).sqrt()
+                      / ref_logits.pow(2).mean(dim=(1, 2)).sqrt()).mean())
+
+    for method, (cache, counters) in _caches(model, scales).items():
+        err = error(cache)
         utilization = _utilization(cache, scales[method])
+        band = [err]
+        for k in range(1, 4) if scales[method] is not None else ():
+            shifted = [LayerScales(s.layer, s.site, s.q_bound, s.k_bound * 2 ** (k / 4),
+                                   s.v_bound * 2 ** (k / 4)) for s in scales[method]]
+            band.append(error(_caches(model, {method: shifted})[method][0]))
         fresh = _caches(model, {method: scales[method]})[method][0]
         tokens = _greedy(model, prompt, new, fresh)
         agree = float((tokens[:, prompt_len:] == reference[:, prompt_len:]).float().mean())
@@ -142,8 +154,11 @@ def _measure(lm, model, phase: str, scales: dict, prompt: torch.Tensor, new: int
         rows.append({
             "model": lm.name, "phase": phase, "method": method,
             "cache MB": None if counters is None else cache_nbytes(cache) / 2 ** 20,
-            "vs unquantized": None if counters is None else cache_nbytes(cache) / plain_bytes,
-            "tokens = unquantized": agree, "logit rel. error": float(error),
+            f"vs {dtype_name}": None if counters is None else cache_nbytes(cache) / plain_bytes,
+            "vs bf16": None if counters is None else cache_nbytes(cache) / bf16_bytes,
+            "tokens = unquantized": agree, "logit rel. error": err,
+            "error, scale x2^(k/4)": f"{min(band):.3g}-{max(band):.3g}" if len(band) > 1
+            else None,
             "saturated": None if counters is None else int(sum(int(c.sum()) for c in counters)),
             "max |x|/scale / R_max": utilization, "max k_scale": k_scale})
     return rows
@@ -181,7 +196,11 @@ def fp8_kv_cache(ctx: Context) -> ScenarioResult:
         "RMS(unquantized) per step on teacher-forced decoding of the unquantized model's own "
         "greedy tokens, mean over steps. 'saturated': cache entries with |x/scale| >= 448 "
         "(clamped). 'max |x|/scale / R_max': how much of the FP8 range the stored entries use "
-        "(1 for the oracle by construction). First-batch scales follow vLLM's calc_kv_scales "
+        "(1 for the oracle by construction). 'error, scale x2^(k/4)': the same error with the "
+        "method's scales multiplied by 2^(k/4), k = 0..3 (all certified for geometry): E4M3's "
+        "relative precision does not depend on the scale while values stay normal, so this "
+        "band is the rounding noise of the measurement, not a property of the method. "
+        "First-batch scales follow vLLM's calc_kv_scales "
         f"(amax/{VLLM_K_CONSTANT:g} for k, amax/{VLLM_V_CONSTANT:g} for v, per layer) on a "
         "calibration batch of other text, frozen: after fine-tuning they are stale (an engine "
         "would need another calibration pass); geometry's are re-derived from the new weights. "
