@@ -12,6 +12,7 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.load_scaling_state(model, checkpoint_id)  # DCP resume, warm
     geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
     geoscale_fx.calibrate(model, batches)         # auto-α on a data loader, then frozen
+    geoscale_fx.export_kv_scales(model, dir, ids)  # FP8 k/v/q scales for vLLM/SGLang
     geoscale_fx.GeoscaleOptions                   # the options (validated)
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
@@ -41,6 +42,7 @@ _LAZY = {
     "load_scaling_state": ("geoscale_fx.checkpoint", "load_scaling_state"),
     "report": ("geoscale_fx.reporting", "report"),
     "calibrate": ("geoscale_fx.calibration", "calibrate"),
+    "export_kv_scales": ("geoscale_fx.export", "export_kv_scales"),
     "AttentionSite": ("geoscale_fx.passes.site_model", "AttentionSite"),
 }
 

@@ -1,7 +1,10 @@
-"""The ``geoscale`` command line: ``geoscale bounds`` and ``geoscale inspect``."""
+"""The ``geoscale`` command line: ``geoscale bounds``, ``geoscale inspect`` and
+``geoscale export-kv-scales``."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from tabulate import tabulate
@@ -37,6 +40,57 @@ def _bounds_table(args: argparse.Namespace) -> str:
     return tabulate(rows, headers=headers)
 
 
+def _load_for_export(args: argparse.Namespace):
+    """``(model, example inputs)``: a saved Hugging Face model directory, or what
+    ``geoscale inspect`` loads (a models_zoo name, ``package.module:function``)."""
+    import torch
+
+    if os.path.isdir(args.model):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len),
+                            generator=torch.Generator().manual_seed(0))
+        return model, {"input_ids": ids}
+    from geoscale_fx.inspection import _load
+
+    return _load(args.model, args.size, "sdpa", 1, args.seq_len)
+
+
+def _export_table(export) -> str:
+    """One row per attention module: its k/v/q scales (max over heads, and min if per head)."""
+    rows: dict[str, dict] = {}
+    for name, scale in export.tensors.items():
+        site, kind = name.rsplit(".", 1)
+        cell = f"{float(scale.max()):.4g}"
+        if scale.numel() > 1:
+            cell = f"{float(scale.min()):.4g}..{cell} ({scale.numel()})"
+        rows.setdefault(site, {"attention": site})[kind] = cell
+    return tabulate(list(rows.values()), headers="keys")
+
+
+def _export_kv_scales(args: argparse.Namespace) -> int:
+    from geoscale_fx.export import export_kv_scales
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model, inputs = _load_for_export(args)
+    out = args.out or (args.model if os.path.isdir(args.model) else None)
+    if out is None:
+        raise SystemExit("geoscale export-kv-scales: --out DIR is needed for a model that is "
+                         "not a saved directory")
+    try:
+        export = export_kv_scales(model, out, strategy=args.strategy,
+                                  include_q=not args.no_q, **inputs)
+    except ValueError as exc:
+        print(f"geoscale export-kv-scales: {exc}", file=sys.stderr)
+        return 2
+    print(_export_table(export))
+    print(f"\n{len(export.tensors)} tensors ({args.strategy}) in "
+          + ", ".join(str(f) for f in export.files)
+          + ("; merged into the checkpoint" if export.merged else ""))
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="geoscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +104,20 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--name", default="custom", help="row label for a custom architecture")
     sub.add_parser("inspect", help="attention sites of a model (see geoscale inspect -h)",
                    add_help=False)
+    e = sub.add_parser("export-kv-scales",
+                       help="FP8 KV-cache scales from the weights, as a compressed-tensors "
+                            "checkpoint (vLLM, SGLang) holds them")
+    e.add_argument("model", help="a saved Hugging Face model directory (the scales are merged "
+                                 "into it unless --out), a models_zoo name or "
+                                 "package.module:function")
+    e.add_argument("--out", help="output directory (default: the model directory)")
+    e.add_argument("--strategy", choices=("tensor", "head"), default="tensor",
+                   help="one scale per layer (default) or one per head (attn_head)")
+    e.add_argument("--seq-len", type=int, default=8,
+                   help="length of the example prompt traced once (default 8)")
+    e.add_argument("--size", choices=("small", "full"), default="small",
+                   help="models_zoo paper architectures: scaled-down or full size")
+    e.add_argument("--no-q", action="store_true", help="write k_scale/v_scale only")
     return parser
 
 
@@ -60,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return inspect_main(argv[1:])
     args = _build_parser().parse_args(argv)
+    if args.command == "export-kv-scales":
+        return _export_kv_scales(args)
     if args.command == "bounds":
         try:
             print(_bounds_table(args))

@@ -1,0 +1,224 @@
+"""FP8 KV-cache scales from the weights, written as a compressed-tensors checkpoint holds them.
+
+Serving engines (vLLM, SGLang) read static FP8 KV-cache scales from a checkpoint whose
+``config.json`` carries a compressed-tensors ``quantization_config`` with a
+``kv_cache_scheme``. ``export_kv_scales`` writes the certified bounds of
+``geoscale_fx.kv_cache.WeightKVScales`` in that form:
+
+* per layer, on the attention module (its module path, e.g. ``model.layers.0.self_attn``):
+  ``<path>.k_scale``, ``<path>.v_scale`` and ``<path>.q_scale``, float32;
+* ``strategy="tensor"``: shape ``(1,)``, ``s = max_h B_h / R_max``;
+  ``strategy="head"`` (compressed-tensors ``"attn_head"``): shape ``(n_kv, 1, 1)`` for k/v and
+  ``(n_q, 1, 1)`` for q, ``s_h = B_h / R_max``;
+
+with ``B_h`` the bound on ``max |entry|`` of head ``h`` (float64, from the weights alone) and
+``R_max = 448`` (E4M3). A scale is a divisor, as in compressed-tensors
+(``scale = amax / (bit_range / 2)``, then ``x / scale``) and in vLLM's cache write
+(``fp8(x / k_scale)``), so ``|x / s| ≤ R_max`` for every entry whatever the input. The
+float32 value is rounded *up* from float64: rounding to nearest could land one ulp under
+``B / R_max`` and saturate the largest entry.
+
+Files in ``out_dir``: ``kv_scales.safetensors`` (the tensors) and
+``quantization_config.json`` (``{"quantization_config": {...}}``, validated against
+compressed-tensors' pydantic ``QuantizationConfig`` in the tests). If ``out_dir`` holds a saved
+Hugging Face model (``config.json``), the scales are merged into that checkpoint: the
+``quantization_config`` goes into ``config.json`` and ``kv_scales.safetensors`` into the
+weight index ``model.safetensors.index.json``: vLLM reads only the files an index lists. A
+single-file checkpoint becomes a sharded one (``model.safetensors`` renamed to
+``model-00001-of-00001.safetensors``), since Hugging Face reads ``model.safetensors`` alone
+whenever it exists. Loading the merged checkpoint with Hugging Face then needs the
+``compressed-tensors`` package (transformers builds its quantizer from the config).
+
+Example::
+
+    import geoscale_fx, torch
+    model.save_pretrained("ckpt")
+    geoscale_fx.export_kv_scales(model, "ckpt", torch.randint(0, 100, (1, 8)))
+    # vllm serve ckpt --kv-cache-dtype fp8
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+import torch
+from torch import nn
+
+from geoscale_fx.bounds import fp8_max
+from geoscale_fx.kv_cache import LayerScales, WeightKVScales
+
+__all__ = ["KV_STRATEGIES", "KVExportOptions", "KVScaleExport", "export_kv_scales",
+           "kv_cache_scheme", "quantization_config", "scale_tensors"]
+
+log = logging.getLogger("geoscale_fx")
+
+#: ``strategy=`` value -> compressed-tensors ``QuantizationStrategy`` of the kv_cache_scheme
+KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+#: compressed-tensors' 8-bit float is E4M3 (``FP8_E4M3_DATA``); E5M2 has no such scheme
+KV_FORMATS = ("e4m3",)
+SCALES_FILE = "kv_scales.safetensors"
+CONFIG_FRAGMENT_FILE = "quantization_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+SINGLE_SHARD_FILE = "model-00001-of-00001.safetensors"
+
+
+@dataclass(frozen=True)
+class KVExportOptions:
+    """What ``export_kv_scales`` writes."""
+    strategy: str = "tensor"       # "tensor" (a scalar per layer) or "head" (one per head)
+    fmt: str = "e4m3"
+    include_q: bool = True         # also q_scale (FP8 attention kernels read it)
+
+    def __post_init__(self):
+        if self.strategy not in KV_STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r}; allowed values: "
+                             f"{sorted(KV_STRATEGIES)}")
+        if self.fmt not in KV_FORMATS:
+            raise ValueError(f"fmt={self.fmt!r}; allowed values: {list(KV_FORMATS)} (a "
+                             "compressed-tensors FP8 kv_cache_scheme is E4M3)")
+
+
+@dataclass(frozen=True)
+class KVScaleExport:
+    """What was written: the tensors by checkpoint name, the config, the files."""
+    tensors: dict[str, torch.Tensor]
+    quantization_config: dict
+    files: tuple[Path, ...]
+    merged: bool                   # into a saved Hugging Face checkpoint in out_dir
+
+
+def kv_cache_scheme(options: KVExportOptions) -> dict:
+    """The compressed-tensors ``QuantizationArgs`` of the KV cache, as JSON."""
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+            "strategy": KV_STRATEGIES[options.strategy], "dynamic": False}
+
+
+def quantization_config(options: KVExportOptions) -> dict:
+    """``config.json``'s ``quantization_config`` for a checkpoint whose only quantization is
+    the KV cache (weights unquantized: ``format="dense"``, no ``config_groups``)."""
+    return {"config_groups": {}, "quant_method": "compressed-tensors",
+            "kv_cache_scheme": kv_cache_scheme(options), "format": "dense",
+            "quantization_status": "frozen", "global_compression_ratio": None, "ignore": []}
+
+
+def _round_up_f32(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 ``≥ x`` (float64 in), floored at the smallest normal."""
+    y = x.to(torch.float32)
+    y = torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    return y.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def scale_tensors(layers: list[LayerScales], options: KVExportOptions
+                  ) -> dict[str, torch.Tensor]:
+    """``{"<site>.k_scale": ..., "<site>.v_scale": ..., "<site>.q_scale": ...}``."""
+    limit = fp8_max(options.fmt)
+    out = {}
+    for layer in layers:
+        bounds = {"k": layer.k_bound, "v": layer.v_bound}
+        if options.include_q:
+            bounds["q"] = layer.q_bound
+        for kind, bound in bounds.items():
+            scale = _round_up_f32(bound.detach().cpu().double() / limit)     # (heads,)
+            if options.strategy == "tensor":
+                scale = scale.max().reshape(1)                             # (1,)
+            else:
+                scale = scale.reshape(-1, 1, 1)                            # (heads, 1, 1)
+            out[f"{layer.site}.{kind}_scale"] = scale.contiguous()
+    return out
+
+
+def _check_module_paths(model: nn.Module, layers: list[LayerScales]) -> None:
+    for layer in layers:
+        try:
+            model.get_submodule(layer.site)
+        except AttributeError:
+            raise ValueError(f"export_kv_scales: attention site {layer.site!r} is not a module "
+                             f"path of {type(model).__name__}, so it names no checkpoint entry "
+                             "(pass the plain Hugging Face model, not a wrapper)") from None
+
+
+def _merge_config(config_path: Path, qconfig: dict) -> None:
+    config = json.loads(config_path.read_text())
+    existing = config.get("quantization_config")
+    if existing is not None:
+        if existing.get("quant_method") != "compressed-tensors":
+            raise ValueError(f"export_kv_scales: {config_path} already has a "
+                             f"quantization_config with quant_method="
+                             f"{existing.get('quant_method')!r}; only a compressed-tensors "
+                             "one can take a kv_cache_scheme")
+        qconfig = {**existing, "kv_cache_scheme": qconfig["kv_cache_scheme"]}
+    config["quantization_config"] = qconfig
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _merge_index(out_dir: Path, names: list[str]) -> Path:
+    """Add ``names`` -> ``kv_scales.safetensors`` to the weight index. A single-file
+    checkpoint becomes a sharded one (``model.safetensors`` renamed to a shard, an index
+    written): Hugging Face reads ``model.safetensors`` alone when it exists, ignoring any
+    index, and vLLM keeps only the files an index lists."""
+    index_path = out_dir / INDEX_FILE
+    single = out_dir / SINGLE_WEIGHTS_FILE
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    elif single.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            keys = list(f.keys())
+        index = {"metadata": {}, "weight_map": {k: SINGLE_SHARD_FILE for k in keys}}
+    else:
+        raise ValueError(f"export_kv_scales: {out_dir} has config.json but neither "
+                         f"{INDEX_FILE} nor {SINGLE_WEIGHTS_FILE} (save with "
+                         "save_pretrained(..., safe_serialization=True))")
+    clash = [n for n in names if index["weight_map"].get(n, SCALES_FILE) != SCALES_FILE]
+    if clash:
+        raise ValueError(f"export_kv_scales: the checkpoint already holds {clash[:3]} in "
+                         "another file; remove them first")
+    if not index_path.exists():
+        single.rename(out_dir / SINGLE_SHARD_FILE)
+        log.info("geoscale: export_kv_scales: %s renamed to %s (now indexed)", single.name,
+                 SINGLE_SHARD_FILE)
+    index["weight_map"].update({n: SCALES_FILE for n in names})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    return index_path
+
+
+def export_kv_scales(model: nn.Module, out_dir: Union[str, os.PathLike], *example_inputs,
+                     strategy: str = "tensor", fmt: str = "e4m3", include_q: bool = True,
+                     **example_kwargs) -> KVScaleExport:
+    """Write ``model``'s k/v (and q) scales, bound / R_max, as compressed-tensors does.
+
+    ``example_inputs``/``example_kwargs`` are one call of the model, traced once to find its
+    attention (the scales do not depend on them). Every attention must be bounded from the
+    weights, else ``ValueError`` (``WeightKVScales.capture``).
+    """
+    from safetensors.torch import save_file
+
+    options = KVExportOptions(strategy=strategy, fmt=fmt, include_q=include_q)
+    with torch.no_grad():
+        layers = WeightKVScales(model).capture(*example_inputs, **example_kwargs).layers()
+    _check_module_paths(model, layers)
+    tensors = scale_tensors(layers, options)
+    qconfig = quantization_config(options)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
+    fragment = out / CONFIG_FRAGMENT_FILE
+    fragment.write_text(json.dumps({"quantization_config": qconfig}, indent=2) + "\n")
+    files = [out / SCALES_FILE, fragment]
+    merged = (out / "config.json").exists()
+    if merged:
+        index = _merge_index(out, sorted(tensors))     # refuses before config.json changes
+        _merge_config(out / "config.json", qconfig)
+        files += [out / "config.json", index]
+    log.info("geoscale: export_kv_scales: %d layers, strategy=%s, %d tensors -> %s%s",
+             len(layers), strategy, len(tensors), out / SCALES_FILE,
+             " (merged into the checkpoint's config.json and index)" if merged else "")
+    return KVScaleExport(tensors, qconfig, tuple(files), merged)
