@@ -208,3 +208,40 @@ def test_distributed_scenario_times_two_ranks_against_one_process(tmp_path):
     for row in rows:
         assert row["step ms"] > 0 and math.isfinite(row["vs one process"]), row
         assert row["vs plain"] == 1.0 if row["method"] == "plain" else row["vs plain"] > 0
+
+
+def test_fp8_kv_cache_compares_four_scale_sources_before_and_after_fine_tuning(tmp_path):
+    """Scenario 12 on a tiny HF Llama (a DynamicCache): geometry never saturates, unit scales
+    use almost none of the FP8 range, the cache takes half a bf16 cache's bytes, and the
+    fine-tuning phase changes the weights."""
+    from bench.scenarios import kv_cache
+    from tests.hf_models import build_hf
+
+    state = build_hf("llama-sdpa").state_dict()
+
+    def build():
+        model = build_hf("llama-sdpa")
+        model.load_state_dict(state)
+        return model
+
+    def batch(g, size, seq, split="train"):
+        ids = torch.randint(1, 128, (size, min(seq, 24)), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+    lm = BenchLM("tiny-llama", build, batch)
+    ctx = Context(out_dir=tmp_path, lms={"tiny-llama": lambda: lm}, models=("tiny-llama",),
+                  step_scale=0.1, progress=False)
+    result = kv_cache.fp8_kv_cache(ctx)
+    _rows_have(result, "model", "phase", "method", "cache MB", "vs bf16", "saturated",
+               "tokens = unquantized", "logit rel. error", "max |x|/scale / R_max")
+    assert [(r["phase"], r["method"]) for r in result.rows] == [
+        (p, m) for p in ("pretrained", "fine-tuned") for m in kv_cache.METHODS]
+    for row in result.rows:
+        assert 0 <= row["tokens = unquantized"] <= 1 and row["logit rel. error"] >= 0
+        if row["method"] == "geometry":
+            assert row["saturated"] == 0 and 0.05 < row["max |x|/scale / R_max"] < 1
+            assert row["vs bf16"] == pytest.approx(0.5)
+        if row["method"] == "unit (1.0)":
+            assert row["max |x|/scale / R_max"] < 0.05
+    assert result.data["key_weight_change"]["tiny-llama"] > 0
+    assert (tmp_path / "fp8_kv_cache.png").stat().st_size > 1000

@@ -127,7 +127,7 @@ def _measure(lm, model, phase: str, scales: dict, prompt: torch.Tensor, new: int
     prompt_len = prompt.shape[1]
     reference = _greedy(model, prompt, new)
     ref_logits = _teacher_forced(model, reference, prompt_len, None)
-    plain = _plain_cache(model, reference)
+    plain = _plain_cache(model, reference[:, :-1])   # what teacher forcing caches
     plain_bytes = cache_nbytes(plain)
     bf16_bytes = plain_bytes // plain.layers[0].keys.element_size() * 2
     dtype_name = str(plain.layers[0].keys.dtype).replace("torch.", "")
