@@ -85,14 +85,21 @@ def _combined(sides: list[Side], resolve) -> torch.Tensor:
     return torch.stack(list(groups.values())).amax(dim=0)
 
 
-def site_amax_bounds(site: AttentionSite, resolve=None) -> dict[str, torch.Tensor]:
+def site_amax_bounds(site: AttentionSite, resolve=None, roles: str = "qkv"
+                     ) -> dict[str, torch.Tensor]:
     """``{"q": (n_q,), "k": (n_kv,), "v": (n_kv,)}`` float64 bounds on ``max |entry|`` per
-    head. ``resolve`` maps the site's node names to tensors (default: the site's own
-    resolver, i.e. the current parameters); the math is traceable, so the backend evaluates
-    it inside the compiled graph on the weight nodes (``geoscale_fx.qkv_scaling``)."""
+    head (the ``roles`` asked for). ``resolve`` maps the site's node names to tensors
+    (default: the site's own resolver, i.e. the current parameters); the math is traceable,
+    so the backend evaluates it inside the compiled graph on the weight nodes
+    (``geoscale_fx.qkv_scaling``). A role without a bound raises a ``ValueError`` naming the
+    site and the reason (values of a post-norm block read the raw residual stream)."""
     resolve = site._resolve if resolve is None else resolve
-    out = {"q": _combined([t.q for t in site.terms], resolve),
-           "k": _combined([t.k for t in site.terms], resolve)}
+    out = {}
+    for role in "qk":
+        if role in roles:
+            out[role] = _combined([t.q if role == "q" else t.k for t in site.terms], resolve)
+    if "v" not in roles:
+        return out
     if site.value is None:
         raise ValueError(f"attention site {site.name!r}: the values could not be traced to "
                          f"their projection ({site.value_reason}), so v has no bound")

@@ -338,14 +338,14 @@ class AttentionSite:
         self._require_supported()
         return [heads.term_head_weights(t, self._resolve) for t in self.terms]
 
-    def amax_bounds(self) -> dict[str, torch.Tensor]:
+    def amax_bounds(self, roles: str = "qkv") -> dict[str, torch.Tensor]:
         """Certified per-head bounds on ``max |entry|`` of the q, k and v that reach the
         attention: ``{"q": (n_q,), "k": (n_kv,), "v": (n_kv,)}`` float64, from the current
-        weights (``geoscale_fx.amax``)."""
+        weights (``geoscale_fx.amax``); ``roles="qk"`` for sites whose values have none."""
         from geoscale_fx import amax
 
         self._require_supported()
-        return amax.site_amax_bounds(self)
+        return amax.site_amax_bounds(self, roles=roles)
 
     def logit_bound(self, **kwargs) -> torch.Tensor:
         """Per-head bound on what the softmax receives (``(n_q,)``, float64), exact."""
