@@ -80,20 +80,25 @@ def sweep_plot(rows: list[dict], path: Path) -> str:
     return Path(path).name
 
 
+def _method_bars(ax, rows: list[dict], group: str, value: str, prefix: str = "") -> None:
+    """Bars of ``row[value]``, one per method, side by side within each (model, ``group``)."""
+    groups = list(dict.fromkeys((r["model"], r[group]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [next(r[value] for r in rows if (r["model"], r[group]) == g
+                       and r["method"] == method) for g in groups]
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=method)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{m}\n{prefix}{g}" for m, g in groups], fontsize=8)
+
+
 def decode_plot(rows: list[dict], series: dict, path: Path) -> str:
     """(a) decoding tokens/s as a ratio to plain Inductor, per model and batch; (b) geometry's
     largest scaled logit per decode step (audit pass) against the FP8 range."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    groups = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        ratios = [next(r["ratio"] for r in rows if (r["model"], r["batch"]) == g
-                       and r["method"] == method) for g in groups]
-        ax1.bar([j + i * width for j in range(len(groups))], ratios, width, label=method)
-    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
-    ax1.set_xticklabels([f"{m}\nbatch {b}" for m, b in groups], fontsize=8)
+    _method_bars(ax1, rows, "batch", "ratio", "batch ")
     ax1.axhline(1.0, color="gray", ls=":", lw=1)
     ax1.set_ylabel("tokens/s / plain Inductor's")
     ax1.set_title("(a) decoding throughput")
@@ -117,18 +122,9 @@ def kv_cache_plot(rows: list[dict], path: Path) -> str:
     fine-tuning; (b) how much of the FP8 range the stored entries use (saturated above 1)."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    groups = list(dict.fromkeys((r["model"], r["phase"]) for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        picked = [next(r for r in rows if (r["model"], r["phase"]) == g and r["method"] == method)
-                  for g in groups]
-        xs = [j + i * width for j in range(len(groups))]
-        ax1.bar(xs, [r["logit rel. error"] for r in picked], width, label=method)
-        ax2.bar(xs, [r["max |x|/scale / R_max"] for r in picked], width, label=method)
+    _method_bars(ax1, rows, "phase", "logit rel. error")
+    _method_bars(ax2, rows, "phase", "max |x|/scale / R_max")
     for ax in (ax1, ax2):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
-        ax.set_xticklabels([f"{m}\n{p}" for m, p in groups], fontsize=8)
         ax.set_yscale("log")
     ax1.set_ylabel("logit RMS error / RMS logit")
     ax1.set_title("(a) error of the FP8 KV cache")

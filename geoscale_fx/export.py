@@ -48,8 +48,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from geoscale_fx.bounds import fp8_max
-from geoscale_fx.kv_cache import LayerScales, WeightKVScales
+from geoscale_fx.kv_cache import LayerScales, WeightKVScales, scale_from_bound
 
 __all__ = ["KV_STRATEGIES", "KVExportOptions", "KVScaleExport", "export_kv_scales",
            "kv_cache_scheme", "quantization_config", "scale_tensors"]
@@ -106,24 +105,16 @@ def quantization_config(options: KVExportOptions) -> dict:
             "quantization_status": "frozen", "global_compression_ratio": None, "ignore": []}
 
 
-def _round_up_f32(x: torch.Tensor) -> torch.Tensor:
-    """The smallest float32 ``≥ x`` (float64 in), floored at the smallest normal."""
-    y = x.to(torch.float32)
-    y = torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-    return y.clamp_min(torch.finfo(torch.float32).tiny)
-
-
 def scale_tensors(layers: list[LayerScales], options: KVExportOptions
                   ) -> dict[str, torch.Tensor]:
     """``{"<site>.k_scale": ..., "<site>.v_scale": ..., "<site>.q_scale": ...}``."""
-    limit = fp8_max(options.fmt)
     out = {}
     for layer in layers:
         bounds = {"k": layer.k_bound, "v": layer.v_bound}
         if options.include_q:
             bounds["q"] = layer.q_bound
         for kind, bound in bounds.items():
-            scale = _round_up_f32(bound.detach().cpu().double() / limit)     # (heads,)
+            scale = scale_from_bound(bound.cpu(), options.fmt)                # (heads,)
             if options.strategy == "tensor":
                 scale = scale.max().reshape(1)                             # (1,)
             else:

@@ -38,7 +38,7 @@ from torch import nn
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.fp8 import fp8_dtype
 
-__all__ = ["KV_CACHE_FORMATS", "LayerScales", "WeightKVScales", "FP8Layer", "fp8_cache",
+__all__ = ["KV_CACHE_FORMATS", "LayerScales", "scale_from_bound", "WeightKVScales", "FP8Layer", "fp8_cache",
            "KVCacheManager", "cache_nbytes"]
 
 log = logging.getLogger("geoscale_fx")
@@ -67,10 +67,16 @@ class LayerScales:
 
     def scales(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_scale, v_scale)`` float32 ``(n_kv,)``: bound / R_max (a divisor)."""
-        limit = fp8_max(fmt)
-        tiny = torch.finfo(torch.float32).tiny
-        return ((self.k_bound / limit).float().clamp_min(tiny),
-                (self.v_bound / limit).float().clamp_min(tiny))
+        return scale_from_bound(self.k_bound, fmt), scale_from_bound(self.v_bound, fmt)
+
+
+def scale_from_bound(bound: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``bound / R_max`` as the smallest float32 ``≥`` it (floored at the smallest normal):
+    rounding to nearest could land one ulp under and let an entry at the bound saturate."""
+    exact = bound.detach().double() / fp8_max(fmt)
+    y = exact.to(torch.float32)
+    y = torch.where(y.double() < exact, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    return y.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _layer_index(model: nn.Module, site_name: str) -> Optional[int]:
@@ -144,6 +150,10 @@ class WeightKVScales:
         out = []
         for position, site in enumerate(self._sites):
             bounds = site.amax_bounds()
+            if not all(bool(torch.isfinite(b).all()) for b in bounds.values()):
+                raise ValueError(f"kv_cache: attention {site.name!r}: its q/k/v bounds are "
+                                 "not finite (non-finite parameters in its projections or "
+                                 "norms); no FP8 scale can be derived")
             layer = _layer_index(self.model, site.name)
             out.append(LayerScales(position if layer is None else layer, site.name,
                                    bounds["q"], bounds["k"], bounds["v"]))

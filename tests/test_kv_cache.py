@@ -224,3 +224,12 @@ def test_bad_kv_cache_values_are_refused_by_name():
     nano = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32))
     with pytest.raises(ValueError, match="GPT keeps its own cache"):
         geoscale_fx.apply_(nano, kv_cache="fp8", compiler="aot_eager")
+
+
+def test_non_finite_weights_are_refused_by_site_name():
+    model = build_hf("llama-sdpa")
+    wrapped = geoscale_fx.wrap(model, kv_cache="fp8", scaling="none", compiler="aot_eager")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.*not finite"):
+        _generate(wrapped, _prompt())
