@@ -10,7 +10,8 @@ A repository tool (run from a checkout), not part of the installed ``geoscale_fx
 
 Modules: ``registry`` (``get``, ``names``, ``ZooModel``), ``configs`` (HF shapes, full and
 small), ``nanogpt`` (our reference GPT), ``corpus`` (stdlib bytes as text), ``pretrain``
-(``python -m models_zoo.pretrain``: small byte-level GPT-2 / Llama, cached).
+(``python -m models_zoo.pretrain``: small byte-level GPT-2 / Llama, cached), ``inspection``
+(``python -m models_zoo.inspection NAME``: ``geoscale inspect`` for a zoo model).
 """
 from models_zoo.registry import ZooModel, get, names
 
