@@ -196,11 +196,38 @@ class ExactObservedKeys(ExactNormProduct):
     """Keys from a cache: ``s·m·(ρ_q‖A_q,h‖ + ‖c_q,h‖)·max_j‖k_g(h),j‖`` with the keys' actual
     norms (computed in the graph every step: O(cache), as one decode step's ``q·Kᵀ``) and
     the query side's exact spectral norms. The query factor is kept (``query_factor``, per
-    query head), so a step with unchanged weights costs the key norms only."""
+    query head), so a step with unchanged weights costs the key norms only.
+
+    Incremental keys (``Side.incremental``: the cache is only moved, ``passes.cached_keys``):
+    only this call's new keys are measured, and ``key_norm_max`` (per key head) carries the
+    maximum over everything written before — O(new tokens) per step. The runtime trusts it
+    only for cache tensors the graph wrote itself, and re-measures any other cache on the
+    host first (``geoscale_fx.key_norm_trust``)."""
+
+    #: the running per-key-head maximum of the cached keys' norms (incremental keys)
+    RUNNING = "key_norm_max"
 
     def specs(self):
-        return [StateSpec(self.name(self.reports), (self.n_scale,)),
-                StateSpec(self.name("query_factor"), (self.term.q.n_heads,))]
+        specs = [StateSpec(self.name(self.reports), (self.n_scale,)),
+                 StateSpec(self.name("query_factor"), (self.term.q.n_heads,))]
+        if self.term.k.incremental:
+            specs.append(StateSpec(self.name(self.RUNNING), (self.term.k.n_heads,)))
+        return specs
+
+    @property
+    def running_state(self) -> str | None:
+        """The state name of the running key-norm maximum (None: whole keys every step)."""
+        return self.name(self.RUNNING) if self.term.k.incremental else None
+
+    def _key_norms(self, measured: torch.Tensor, state) -> torch.Tensor:
+        """``max_j ‖k_g,j‖`` per key head g: the measured keys, with the running maximum of
+        the earlier ones for incremental keys (and the maximum kept)."""
+        if not self.term.k.incremental:
+            return measured
+        running = state[self.name(self.RUNNING)]
+        norms = torch.maximum(running, measured.to(running))
+        running.copy_(norms)
+        return norms
 
     def _query_factor(self, nq, hw) -> torch.Tensor:
         cq = (torch.zeros_like(nq) if hw.c_q is None
@@ -222,15 +249,16 @@ class ExactObservedKeys(ExactNormProduct):
     def bound(self, hw, state):
         factor = self._query_factor(self._query_norms(hw, state), hw)
         state[self.name("query_factor")].copy_(factor)
-        return self._with_keys(factor, hw.a_k.detach().reshape(-1), state)
+        return self._with_keys(factor, self._key_norms(hw.a_k.detach().reshape(-1), state),
+                               state)
 
     def full_step(self, hw, state):
         return self.bound(hw, state)
 
     def reuse(self, values, state):
         keys, _ = heads.observed_heads(self.term.k, values.__getitem__)
-        return self._with_keys(state[self.name("query_factor")].double(), keys.reshape(-1),
-                               state)
+        return self._with_keys(state[self.name("query_factor")].double(),
+                               self._key_norms(keys.reshape(-1), state), state)
 
 
 class PowerObservedKeys(ExactObservedKeys):

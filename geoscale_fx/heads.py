@@ -19,7 +19,7 @@ import torch
 from geoscale_fx import bounds, spectral
 from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Modifier, Side, Term
 
-__all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "side_heads",
+__all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "side_heads", "key_head_norms",
            "term_head_weights", "sigma_bound", "norm_product_bound", "term_logit_bound",
            "apply_modifiers", "site_logit_bound"]
 
@@ -123,17 +123,30 @@ def _normalized_heads(side: Side, resolve: Resolve
 def observed_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, None]:
     """``A: (n, 1, 1)`` holding ``max_j ‖k_g,j‖`` per key head g of the observed keys (over
     batch and positions), so that ``‖A_g‖₂`` is that norm and ``ρ = 1``: every key the
-    attention reads, cached or new, satisfies ``‖k‖ ≤ ‖A_g‖``. Zeros before the keys exist
-    (a cold start on the host evaluates parameters only)."""
-    keys = resolve(side.source.node)
+    attention reads, cached or new, satisfies ``‖k‖ ≤ ‖A_g‖``. For incremental keys
+    (``Side.incremental``) only this call's new keys are measured (the estimator adds the
+    running maximum of the earlier ones). Zeros before the keys exist (a cold start on the
+    host evaluates parameters only) or when no new key is written."""
     n = side.n_heads
-    if not isinstance(keys, torch.Tensor):
-        return torch.zeros(n, 1, 1), None
-    head_axis, channel_axis = side.observed_axes
+    sources = side.observed_fresh if side.incremental else ((side.source.node, 1),)
+    out = torch.zeros(n)
+    for name, repeat in sources:
+        keys = resolve(name)
+        if not isinstance(keys, torch.Tensor):
+            return torch.zeros(n, 1, 1), None
+        norms = key_head_norms(keys, side.observed_axes).repeat_interleave(repeat)
+        out = torch.maximum(out.to(keys.device), norms)
+    return out.reshape(n, 1, 1), None
+
+
+def key_head_norms(keys: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
+    """``(H,)`` float32: ``max ‖k‖`` per head of ``keys`` over every other axis (``axes``:
+    the head axis and the channel axis)."""
+    head_axis, channel_axis = axes
     norms = torch.linalg.vector_norm(keys.detach().float(), dim=channel_axis)
-    head_axis = head_axis + 1 if head_axis < channel_axis else head_axis   # one dim less
-    norms = norms.movedim(head_axis, -1).reshape(-1, norms.shape[head_axis]).amax(dim=0)
-    return norms.reshape(n, 1, 1), None
+    head_axis = head_axis % keys.dim()
+    head_axis = head_axis - 1 if head_axis > channel_axis % keys.dim() else head_axis
+    return norms.movedim(head_axis, -1).reshape(-1, norms.shape[head_axis]).amax(dim=0)
 
 
 def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

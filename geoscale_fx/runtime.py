@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
+from geoscale_fx.key_norm_trust import KeyNormTrust
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name, upstream
@@ -76,6 +77,8 @@ class GraphRuntime:
             for v in [n.meta.get("example_value")])
         self.bind = bind
         self.owner_index = _owner_index(gm, plans)
+        self.key_trust = KeyNormTrust(gm, plans)
+        self.remeasured_caches = 0   # calls whose cached keys were measured on the host
         # owner tensor → (states, tensors, memo: the weights of its last full step)
         self.bound = WeakIdKeyDictionary()
         self._own = (states, self.tensors, {"weights": None})
@@ -117,11 +120,13 @@ class GraphRuntime:
                  and weights == memo["weights"])
         variant = "burn_in" if burn_in else "reuse" if reuse else "predict"
         compiled = self.variants[variant].get()
+        self.remeasured_caches += self.key_trust.before(args, states)
         try:
             out = compiled(*args, *tensors)
         except RuntimeError:
             self.diagnose(args)  # an in-graph assertion: name the parameter if it is one
             raise
+        self.key_trust.after(args, out, states)
         if burn_in:
             self._count_burn_in(states)
         if reuse:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+from geoscale_fx.passes.cached_keys import key_sources
 from geoscale_fx.passes.dtensor import dtensor_of, localize_term, to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import Candidate, find_candidates
@@ -335,9 +336,11 @@ def _analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTra
     if localize_term(q_side, q_side, by_name, q_track.shape[-1])[2] is not None:
         raise Unsupported(f"{why} — and the query is sharded (tensor parallel): a cached key "
                           "under tensor parallelism is not supported yet")
+    sources = key_sources(cand.key, cand.node, kinds) if cand.key_layout != "dk" else None
     k_side = Side(source=Source(norm="observed", node=cand.key.name, width=1), weight=None,
                   layout="observed", features=tuple((g,) for g in range(n_k)),
-                  observed_axes=axes)
+                  observed_axes=axes, observed_past=sources.past if sources else (),
+                  observed_fresh=sources.fresh if sources else ())
     return _fields(cand, [Term(q_side, k_side)], q_rows.gain, q_track.shape[-2], length,
                    q_rows.head_of_row)
 

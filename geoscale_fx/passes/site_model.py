@@ -111,6 +111,13 @@ class Side:
     #: (head axis, channel axis) of the key tensor ``source.node`` whose actual norms bound
     #: the keys every step; ``features[g] == (g,)`` names key head g
     observed_axes: tuple[int, int] = ()
+    #: observed keys moved from earlier cache tensors (``observed_past``: placeholders) and
+    #: this call's keys (``observed_fresh``), per ``passes.cached_keys``: only the fresh ones
+    #: are measured each step; the past ones are covered by a running maximum (``() ()``:
+    #: the whole key is measured every step)
+    #: Both are ``(node name, r)``: key head ``h`` holds that node's head ``h // r``.
+    observed_past: tuple[tuple[str, int], ...] = ()
+    observed_fresh: tuple[tuple[str, int], ...] = ()
     #: maps of the same source added to the weight's output (LoRA adapters): the effective
     #: weight is ``W + Σ ratio · B·A`` (``A`` None: a full second weight ``B``), node names
     low_rank: tuple[tuple[Optional[str], str, float], ...] = ()
@@ -146,7 +153,8 @@ class Side:
     def node_names(self) -> tuple[str, ...]:
         """Graph nodes whose values this side's weights are computed from."""
         if self.layout == "observed":
-            return (self.source.node,)
+            return (tuple(n for n, _ in self.observed_fresh) if self.incremental
+                    else (self.source.node,))
         names = [self.weight] if self.weight is not None else []
         names += [self.inner] if self.inner is not None else []
         names += [n for a, b, _ in self.low_rank for n in (a, b) if n is not None]
@@ -163,6 +171,11 @@ class Side:
     def observed(self) -> bool:
         """Keys bounded by their actual norms (a cache), not by weights."""
         return self.layout == "observed"
+
+    @property
+    def incremental(self) -> bool:
+        """Observed keys whose past entries are covered by a running maximum."""
+        return self.observed and bool(self.observed_past)
 
 
 @dataclass(frozen=True)
@@ -311,7 +324,8 @@ class AttentionSite:
     def parameter_nodes(self) -> tuple[str, ...]:
         """``weight_nodes`` without the observed keys (activations): what the site's
         parameters are computed from."""
-        observed = {t.k.source.node for t in self.terms if t.k.observed}
+        observed = {n for t in self.terms if t.k.observed
+                    for n in (t.k.source.node, *(f for f, _ in t.k.observed_fresh))}
         return tuple(n for n in self.weight_nodes if n not in observed)
 
     def modifier(self, kind: str) -> Optional[Modifier]:

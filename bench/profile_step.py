@@ -1,0 +1,210 @@
+"""Where a step's time goes: ``python -m bench.profile_step`` (issue 19, "know where the time goes").
+
+One decode step (a StaticCache, one new token), one forward and one training step of a
+Hugging Face causal LM (random weights, the zoo's small GPT-2/Llama shapes, or ``--context``
+for a longer one) under Inductor, for four programs that differ by one thing each:
+
+* ``plain``      — ``torch.compile`` (SDPA's kernel);
+* ``none``       — geoscale with ``scaling="none"`` and the lowering geometry uses: the
+  attention kernel geoscale runs and its host runtime, no bound, no FP8;
+* ``geometry``   — the default: + the bound's nodes and the quantize/dequantize;
+* ``current``    — current scaling (S materialized, the observed max), for reference.
+
+So ``none − plain`` is the kernel's share (flex_attention's CPU template or a materialized
+attention against SDPA's kernel) plus the runtime's host work, and ``geometry − none`` is
+what the bound and the FP8 round trip cost — geoscale's own work. A torch.profiler pass over
+the geometry decode step splits host from compiled time ("Torch-Compiled Region" minus
+"CompiledFxGraph": guards, the runtime's variant choice, argument plumbing).
+
+Times are interleaved rounds (``bench.timing``); ``--clock cpu --threads 1`` measures this
+process's CPU time, which other processes' load on a shared machine barely moves.
+
+    python -m bench.profile_step                       # gpt2 shape, batch 1 and 8
+    python -m bench.profile_step --family llama --context 2048 --batch 1
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Callable
+
+import torch
+from tabulate import tabulate
+
+import geoscale_fx
+from bench.timing import interleaved
+
+__all__ = ["main", "decode_programs"]
+
+log = logging.getLogger("bench")
+
+PROGRAMS = ("plain", "none", "geometry", "current")
+SHAPES = {  # the zoo's small pretrained shapes (models_zoo.configs.HF_SMALL)
+    "gpt2": dict(n_embd=128, n_layer=4, n_head=4, vocab_size=256,
+                 activation_function="gelu_new"),
+    "llama": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=448, vocab_size=256),
+}
+
+
+def _config(family: str, context: int):
+    import transformers
+
+    size = ({"n_positions": context} if family == "gpt2" else
+            {"max_position_embeddings": context})
+    return transformers.AutoConfig.for_model(family, **SHAPES[family], **size)
+
+
+def _model(config, program: str, training: bool):
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.train(training)
+    if program == "plain":
+        model.generation_config.disable_compile = True
+        model.compile(backend="inductor", isolate_recompiles=True)
+        return model
+    scaling = {"none": "none", "geometry": "geometry", "current": "current"}[program]
+    lowering = {}
+    if program == "none" and not training:
+        lowering = {"lowering": "fused"}     # the lowering geometry plans for inference
+    return geoscale_fx.apply_(model, scaling=scaling, compiler="inductor", **lowering)
+
+
+def decode_programs(config, batch: int, context: int) -> dict[str, Callable[[], object]]:
+    """One greedy decode step per call, at position ``context // 2`` of a StaticCache."""
+    from transformers import StaticCache
+
+    out = {}
+    prompt = context // 2
+    ids = torch.randint(0, config.vocab_size, (batch, prompt))
+    for program in PROGRAMS:
+        model = _model(config, program, training=False)
+        cache = StaticCache(config=config, max_cache_len=context)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(prompt))
+        token = ids[:, -1:]
+        position = torch.tensor([prompt])
+
+        def step(model=model, cache=cache, token=token, position=position):
+            with torch.no_grad():
+                return model(input_ids=token, past_key_values=cache, use_cache=True,
+                             cache_position=position).logits
+        step()   # compiles the decode graph
+        out[program] = step
+    return out
+
+
+def forward_programs(config, batch: int, length: int) -> dict[str, Callable[[], object]]:
+    out = {}
+    ids = torch.randint(0, config.vocab_size, (batch, length))
+    for program in PROGRAMS:
+        model = _model(config, program, training=False)
+
+        def forward(model=model):
+            with torch.no_grad():
+                return model(input_ids=ids, use_cache=False).logits
+        forward()
+        out[program] = forward
+    return out
+
+
+def train_programs(config, batch: int, length: int) -> dict[str, Callable[[], object]]:
+    out = {}
+    ids = torch.randint(0, config.vocab_size, (batch, length))
+    for program in PROGRAMS:
+        model = _model(config, program, training=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step(model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+        step()
+        out[program] = step
+    return out
+
+
+def host_split(step: Callable[[], object], calls: int = 20) -> dict[str, float]:
+    """µs per call inside the compiled region, in the compiled graph, and host around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+    region = graph = 0.0
+    for event in prof.key_averages():
+        if event.key.startswith("Torch-Compiled Region"):
+            region += event.cpu_time_total
+        elif event.key.startswith("## Call CompiledFxGraph"):
+            graph += event.cpu_time_total
+    return {"compiled region µs": region / calls, "compiled graph µs": graph / calls,
+            "host µs": (region - graph) / calls}
+
+
+def breakdown_rows(what: str, timings, shape: str) -> list[dict]:
+    """The table rows of one measured step: each program, and the two differences."""
+    ms = {p: timings.median_ms(p) for p in PROGRAMS}
+    rows = [{"step": what, "shape": shape, "program": p, "ms": ms[p],
+             "ratio to plain": timings.ratio(p).median,
+             "spread": f"{timings.ratio(p).lo:.3f}-{timings.ratio(p).hi:.3f}"}
+            for p in PROGRAMS]
+    rows.append({"step": what, "shape": shape, "program": "kernel + runtime (none - plain)",
+                 "ms": ms["none"] - ms["plain"],
+                 "ratio to plain": (ms["none"] - ms["plain"]) / ms["plain"]})
+    rows.append({"step": what, "shape": shape, "program": "bound + FP8 (geometry - none)",
+                 "ms": ms["geometry"] - ms["none"],
+                 "ratio to plain": (ms["geometry"] - ms["none"]) / ms["plain"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(SHAPES), default="gpt2")
+    parser.add_argument("--context", type=int, default=256, help="cache length of decode")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", nargs="+", choices=["decode", "forward", "train"],
+                        default=["decode", "forward", "train"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = _config(args.family, args.context)
+    rows, host = [], []
+    for batch in args.batch:
+        builders = {"decode": lambda: decode_programs(config, batch, args.context),
+                    "forward": lambda: forward_programs(config, batch, 128),
+                    "train": lambda: train_programs(config, batch, 128)}
+        for what in args.steps:
+            programs = builders[what]()
+            timings = interleaved(programs, base="plain", rounds=args.rounds,
+                                  repeats=args.repeats if what != "train" else
+                                  max(2, args.repeats // 3), clock=args.clock)
+            shape = (f"b{batch} cache {args.context}" if what == "decode" else
+                     f"b{batch}x128")
+            rows += breakdown_rows(what, timings, shape)
+            if what == "decode":
+                host += [{"program": p, "shape": shape, **host_split(programs[p])}
+                         for p in PROGRAMS]
+            print(tabulate(rows[-len(PROGRAMS) - 2:], headers="keys", floatfmt=".4g"),
+                  flush=True)
+    print(f"\n{args.family}, {torch.get_num_threads()} threads, clock={args.clock}, "
+          f"{args.rounds} interleaved rounds\n")
+    print(tabulate(rows, headers="keys", floatfmt=".4g"))
+    if host:
+        print("\nHost vs compiled time per decode call (torch.profiler):")
+        print(tabulate(host, headers="keys", floatfmt=".1f"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
