@@ -13,6 +13,9 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.report(model)                     # per-site σ, bound, α, scale, overflows
     geoscale_fx.calibrate(model, batches)         # auto-α on a data loader, then frozen
     geoscale_fx.export_kv_scales(model, dir, ids)  # FP8 k/v/q scales for vLLM/SGLang
+    geoscale_fx.attention_scales(model, ids)      # the same scales, live weights (RL sync)
+    geoscale_fx.restore_(model)                   # undo apply_: the plain model again
+    geoscale_fx.plain_state_dict(model)           # the model's own keys, no geoscale state
     geoscale_fx.GeoscaleOptions                   # the options (validated)
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
@@ -43,6 +46,9 @@ _LAZY = {
     "report": ("geoscale_fx.reporting", "report"),
     "calibrate": ("geoscale_fx.calibration", "calibrate"),
     "export_kv_scales": ("geoscale_fx.export", "export_kv_scales"),
+    "attention_scales": ("geoscale_fx.serving_scales", "attention_scales"),
+    "restore_": ("geoscale_fx.conversion", "restore_"),
+    "plain_state_dict": ("geoscale_fx.conversion", "plain_state_dict"),
     "AttentionSite": ("geoscale_fx.passes.site_model", "AttentionSite"),
 }
 

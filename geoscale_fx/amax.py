@@ -33,40 +33,62 @@ def side_amax(side: Side, resolve) -> torch.Tensor:
         raise ValueError("keys read from a cache are bounded by their actual values when the "
                          "graph runs, not from the weights")
     a, c = heads.side_heads(side, resolve)
-    a = a.detach().double()
     c = None if c is None else c.detach().double()
     rho = side.radius
-    if side.rotary is None:
-        entry = rho * torch.linalg.vector_norm(a, dim=-2)                     # (n, d_h)
-        if c is not None:
-            entry = entry + c.abs()
-        bound = entry.amax(dim=-1)
-    elif side.pairs and all(p >= 0 for p in side.pairs):
-        bound = _pair_bound(a, c, rho, side.pairs) * side.rotary.factor
-    elif side.pairs:             # a partial rotation: rotated pairs and plain channels
-        rotated = [i for i, p in enumerate(side.pairs) if p >= 0]
-        plain = [i for i, p in enumerate(side.pairs) if p < 0]
-        pairs = _pair_bound(a, c, rho, side.pairs, rotated) * side.rotary.factor
-        entry = rho * torch.linalg.vector_norm(a[..., plain], dim=-2)
-        if c is not None:
-            entry = entry + c[..., plain].abs()
-        bound = torch.maximum(pairs, entry.amax(dim=-1))
-    else:
-        norms = spectral.head_spectral_norms(a)
+    if side.rotary is not None and not side.pairs:     # stacked rotations: the head's norm
+        norms = spectral.head_spectral_norms(a.detach().double())
         cn = torch.zeros_like(norms) if c is None else torch.linalg.vector_norm(c, dim=-1)
         bound = side.rotary.factor * (rho * norms + cn)
+        return bound * abs(side.operand_gain) * side.position_gain
+    rows = _rows(a)                                                          # (n, d_h, d)
+    if side.rotary is None:
+        bound = _channel_bound(rows, c, rho).amax(dim=-1)
+    elif all(p >= 0 for p in side.pairs):
+        bound = _pair_bound(rows, c, rho, side.pairs) * side.rotary.factor
+    else:                        # a partial rotation: rotated pairs and plain channels
+        rotated = [i for i, p in enumerate(side.pairs) if p >= 0]
+        plain = torch.tensor([i for i, p in enumerate(side.pairs) if p < 0], device=a.device)
+        pairs = _pair_bound(rows, c, rho, side.pairs, rotated) * side.rotary.factor
+        entry = _channel_bound(rows.index_select(-2, plain),
+                               None if c is None else c.index_select(-1, plain), rho)
+        bound = torch.maximum(pairs, entry.amax(dim=-1))
     return bound * abs(side.operand_gain) * side.position_gain
 
 
-def _pair_bound(a, c, rho, pairs, channels: Optional[list] = None) -> torch.Tensor:
+def _rows(a: torch.Tensor) -> torch.Tensor:
+    """``(n, d_h, d)`` float64: column ``a_i`` of each head as a row. Exact (a float32 entry
+    is a float64 one), and products of two entries are exact in float64: the only roundings
+    below are the float64 sums' and square roots'. The copy keeps the weight's memory order
+    (rows are contiguous for ``nn.Linear``, strided for a ``Conv1D``): a transposing copy
+    would cost more than the reductions it feeds."""
+    return a.detach().transpose(-1, -2).double()
+
+
+def _channel_bound(rows: torch.Tensor, c, rho: float) -> torch.Tensor:
+    """``(n, d_h)``: ``ρ‖a_i‖ + |c_i|`` per channel (no rotation mixes channels)."""
+    entry = rho * (rows * rows).sum(dim=-1).sqrt()      # vector_norm is slow on strided rows
+    return entry if c is None else entry + c.abs()
+
+
+def _pair_bound(rows, c, rho, pairs, channels: Optional[list] = None) -> torch.Tensor:
+    """``(n,)``: ``max`` over the rotated pairs ``(i, p)`` of ``ρ‖[a_i a_p]‖₂ + ‖(c_i, c_p)‖``.
+
+    ``‖[a_i a_p]‖₂² = λ_max`` of the 2×2 Gram matrix ``[[x, z], [z, y]]`` (``x = ‖a_i‖²``,
+    ``y = ‖a_p‖²``, ``z = a_i·a_p``): ``(x + y)/2 + √(((x − y)/2)² + z²)``, a sum of two
+    non-negative terms (no cancellation). O(n·d·d_h) and no SVD; a pair listed both ways,
+    ``(i, p)`` and ``(p, i)``, is evaluated once."""
     channels = range(len(pairs)) if channels is None else channels
-    index = torch.tensor([[i, pairs[i]] for i in channels], device=a.device)  # (m, 2)
-    block = a[:, :, index]                                                   # (n, d, m, 2)
-    norms = torch.linalg.matrix_norm(block.permute(0, 2, 1, 3), ord=2)       # (n, m)
+    listed = set(channels)
+    first = [i for i in channels if not (pairs[i] < i and pairs[i] in listed
+                                         and pairs[pairs[i]] == i)]
+    i = torch.tensor(first, device=rows.device)
+    p = torch.tensor([pairs[j] for j in first], device=rows.device)
+    squares = (rows * rows).sum(dim=-1)                                      # (n, d_h)
+    x, y = squares.index_select(-1, i), squares.index_select(-1, p)         # (n, m)
+    z = (rows.index_select(-2, i) * rows.index_select(-2, p)).sum(dim=-1)
+    norms = rho * ((x + y) / 2 + torch.sqrt(((x - y) / 2) ** 2 + z * z)).sqrt()
     if c is not None:
-        norms = norms * rho + torch.linalg.vector_norm(c[:, index], dim=-1)
-    else:
-        norms = norms * rho
+        norms = norms + torch.sqrt(c.index_select(-1, i) ** 2 + c.index_select(-1, p) ** 2)
     return norms.amax(dim=-1)
 
 

@@ -4,7 +4,8 @@ Shared by the two forms, ``wrap(model)`` (a wrapper module) and ``apply_(model)`
 
 * ``attach_state(model)`` registers the scaling state as the submodule ``geoscale_state`` of
   the model itself, so ``model.state_dict()`` carries it, and hooks ``load_state_dict`` so
-  that weights loaded without their state mark every site cold;
+  that weights loaded without their state mark every site cold (``detach_state`` undoes
+  both, for ``restore_``);
 * ``GeoscaleCall`` is the model's compiled call with the checks a user must hear about:
   a call in which Dynamo ran none of our graphs (its recompile limit: the model ran without
   FP8) is counted and warned about once, and a model in which the first call found no
@@ -25,8 +26,9 @@ from geoscale_fx.compiler import GeoscaleBackend, ParameterNames
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.state import GeoscaleState
 
-__all__ = ["STATE_ATTR", "GeoscaleCall", "attach_state", "compile_with_geoscale",
-           "compile_module", "disable_hf_auto_compile", "geoscale_call"]
+__all__ = ["STATE_ATTR", "GeoscaleCall", "attach_state", "detach_state",
+           "compile_with_geoscale", "compile_module", "disable_hf_auto_compile",
+           "enable_hf_auto_compile", "geoscale_call"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -40,9 +42,23 @@ def attach_state(model: nn.Module) -> GeoscaleState:
         state = GeoscaleState()
         model.add_module(STATE_ATTR, state)
     if not getattr(model, "_geoscale_hooked", False):
-        model.register_load_state_dict_post_hook(_mark_cold_without_state)
+        model._geoscale_load_hook = model.register_load_state_dict_post_hook(
+            _mark_cold_without_state)
         model._geoscale_hooked = True
     return state
+
+
+def detach_state(model: nn.Module) -> bool:
+    """Undo ``attach_state``: the ``geoscale_state`` submodule and the ``load_state_dict``
+    hook go; whether there was a state to remove."""
+    found = isinstance(model._modules.get(STATE_ATTR), GeoscaleState)
+    if found:
+        del model._modules[STATE_ATTR]
+    hook = model.__dict__.pop("_geoscale_load_hook", None)
+    if hook is not None:
+        hook.remove()
+    model.__dict__.pop("_geoscale_hooked", None)
+    return found
 
 
 def _mark_cold_without_state(module: nn.Module, incompatible) -> None:
@@ -140,9 +156,17 @@ def disable_hf_auto_compile(model: nn.Module) -> None:
     rewrite. geoscale compiles the model, so generate's own compile is turned off."""
     config = getattr(model, "generation_config", None)
     if config is not None and hasattr(config, "disable_compile") and not config.disable_compile:
+        model._geoscale_disable_compile_was = config.disable_compile    # False or None
         config.disable_compile = True
         log.info("geoscale: %s.generation_config.disable_compile = True (geoscale compiles "
                  "the model itself)", type(model).__name__)
+
+
+def enable_hf_auto_compile(model: nn.Module) -> None:
+    """Undo ``disable_hf_auto_compile`` (only if it was the one that turned it off)."""
+    if "_geoscale_disable_compile_was" in model.__dict__:
+        model.generation_config.disable_compile = model.__dict__.pop(
+            "_geoscale_disable_compile_was")
 
 
 def geoscale_call(model: Any) -> GeoscaleCall | None:

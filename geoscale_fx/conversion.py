@@ -14,6 +14,10 @@ to ``geoscale_state.safetensors`` beside the weights, and ``apply_`` on a model 
 ``from_pretrained`` loaded from such a directory restores it (``serialization``).
 ``wrap(model)`` is the wrapper form of the same thing.
 
+``restore_(model)`` is the inverse: the same object again plain (uncompiled, no
+``geoscale_state``, the class's own methods), so that its ``state_dict`` loads into a model
+geoscale never touched (``plain_state_dict`` gives those keys without restoring).
+
 Refused, each with a ``ValueError`` naming the model: a model compiled already
 (``torch.compile``'s ``OptimizedModule``, or ``model.compile()``), a model wrapped by
 ``wrap``, PEFT prefix tuning (its learned keys enter every attention as a KV cache, not
@@ -31,14 +35,17 @@ from typing import Optional
 from torch import nn
 
 from geoscale_fx.attach import (
-    GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
+    GeoscaleCall, compile_module, compile_with_geoscale, detach_state, enable_hf_auto_compile,
+    geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.kv_cache import KVCacheManager
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
+from geoscale_fx.state import GeoscaleState
+from geoscale_fx.wrapper import GeoscaleModule
 
-__all__ = ["apply_"]
+__all__ = ["apply_", "restore_", "plain_state_dict"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -60,13 +67,64 @@ def apply_(model: nn.Module, kv_cache: Optional[str] = None, **options) -> nn.Mo
     _check_convertible(model, name)
     call = compile_with_geoscale(model, opts, lambda **kw: compile_module(model, **kw))
     model._compiled_call_impl = call
+    own = set(model.__dict__)
     if callable(getattr(model, "save_pretrained", None)):   # Hugging Face / PEFT models
         install_save_pretrained(model)
         hook_trainer_resume()
     _restore_beside_weights(model)
     if kv is not None:
         _install_fp8_generate(model, kv)
+    # instance attributes over the class's methods, for restore_ to remove
+    model._geoscale_methods = tuple(sorted(k for k in _METHODS if k not in own
+                                           and k in model.__dict__))
     return model
+
+
+#: methods ``apply_`` may shadow with an instance attribute
+_METHODS = ("save_pretrained", "generate")
+
+
+def restore_(model: nn.Module) -> nn.Module:
+    """Undo ``apply_(model)`` in place and return the plain model: the uncompiled
+    ``forward``, no ``geoscale_state`` submodule (nor its ``load_state_dict`` hook), the
+    class's own ``save_pretrained`` and ``generate``, ``generation_config.disable_compile``
+    as it was. The weights stay as trained. A ``wrap`` wrapper gives back the model it wraps,
+    restored the same way. ``ValueError`` if ``model`` was not converted by geoscale."""
+    name = type(model).__name__
+    if isinstance(model, GeoscaleModule):      # the wrapper is spent afterwards
+        model = model.model
+        if not model.__dict__.pop("_geoscale_wrapped", False):
+            raise ValueError(f"geoscale_fx.restore_: this wrapper's {type(model).__name__} "
+                             "was restored already")
+    elif isinstance(getattr(model, "_compiled_call_impl", None), GeoscaleCall):
+        del model.__dict__["_compiled_call_impl"]      # back to nn.Module's None
+    elif model.__dict__.get("_geoscale_wrapped"):
+        raise ValueError(f"geoscale_fx.restore_: {name} is wrapped by geoscale_fx.wrap; "
+                         "restore the wrapper (restore_(wrapped)), which gives this model back")
+    else:
+        raise ValueError(f"geoscale_fx.restore_: {name} was not converted by "
+                         "geoscale_fx.apply_ (nor wrapped by geoscale_fx.wrap); nothing to "
+                         "restore")
+    for method in model.__dict__.pop("_geoscale_methods", ()):
+        model.__dict__.pop(method, None)
+    model.__dict__.pop("_geoscale_kv_cache", None)
+    detach_state(model)
+    enable_hf_auto_compile(model)
+    log.info("geoscale: %s restored: uncompiled, no geoscale state", type(model).__name__)
+    return model
+
+
+def plain_state_dict(model: nn.Module) -> dict:
+    """``model.state_dict()`` without geoscale's scaling state: the keys of the plain model,
+    for ``load_state_dict(..., strict=True)`` into a model geoscale never touched."""
+    if isinstance(model, GeoscaleModule):
+        model = model.model
+    states = [name for name, m in model.named_modules() if isinstance(m, GeoscaleState)]
+    prefixes = tuple(f"{name}." if name else "" for name in states)
+    if "" in prefixes:        # the model itself is a state
+        raise ValueError("geoscale_fx.plain_state_dict: pass the model, not its "
+                         "geoscale_state")
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
 
 
 def _install_fp8_generate(model: nn.Module, manager: KVCacheManager) -> None:
