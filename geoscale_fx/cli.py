@@ -41,20 +41,13 @@ def _bounds_table(args: argparse.Namespace) -> str:
 
 
 def _load_for_export(args: argparse.Namespace):
-    """``(model, example inputs)``: a saved Hugging Face model directory, or what
-    ``geoscale inspect`` loads (a models_zoo name, ``package.module:function``)."""
-    import torch
+    """``(model, example inputs)`` of what ``geoscale inspect`` loads
+    (``package.module:function``, e.g. ``models_zoo.inspection:hf-llama`` from a checkout);
+    a saved directory is never loaded (see ``_export_kv_scales``)."""
+    from geoscale_fx.inspection import load_model
 
-    if os.path.isdir(args.model):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-        ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len),
-                            generator=torch.Generator().manual_seed(0))
-        return model, {"input_ids": ids}
-    from geoscale_fx.inspection import _load
-
-    return _load(args.model, args.size, "sdpa", 1, args.seq_len)
+    loaded = load_model(args.model, seq_len=args.seq_len)
+    return loaded.model, loaded.inputs
 
 
 def _export_table(export) -> str:
@@ -73,14 +66,16 @@ def _export_kv_scales(args: argparse.Namespace) -> int:
     from geoscale_fx.export import export_kv_scales
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    model, inputs = _load_for_export(args)
-    out = args.out or (args.model if os.path.isdir(args.model) else None)
-    if out is None:
-        raise SystemExit("geoscale export-kv-scales: --out DIR is needed for a model that is "
-                         "not a saved directory")
+    options = dict(strategy=args.strategy, include_q=not args.no_q)
     try:
-        export = export_kv_scales(model, out, strategy=args.strategy,
-                                  include_q=not args.no_q, **inputs)
+        if os.path.isdir(args.model):     # traced on meta, weights streamed layer by layer
+            export = export_kv_scales(args.model, args.out, **options)
+        else:
+            if args.out is None:
+                raise SystemExit("geoscale export-kv-scales: --out DIR is needed for a model "
+                                 "that is not a saved directory")
+            model, inputs = _load_for_export(args)
+            export = export_kv_scales(model, args.out, **options, **inputs)
     except ValueError as exc:
         print(f"geoscale export-kv-scales: {exc}", file=sys.stderr)
         return 2
@@ -102,19 +97,23 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-len", type=int, default=1024, help="sequence length L (default 1024)")
     b.add_argument("--delta", type=float, default=1e-6, help="target failure probability δ*")
     b.add_argument("--name", default="custom", help="row label for a custom architecture")
-    sub.add_parser("inspect", help="attention sites of a model (see geoscale inspect -h)",
+    sub.add_parser("inspect", help="which attentions of a model geoscale scales, why not, and "
+                                   "their bounds: a saved directory, a config.json (meta "
+                                   "device) or --model-type (see geoscale inspect -h)",
                    add_help=False)
     e = sub.add_parser("export-kv-scales",
                        help="FP8 KV-cache scales from the weights, as a compressed-tensors "
                             "checkpoint (vLLM, SGLang) holds them")
-    e.add_argument("model", help="a saved Hugging Face model directory (the scales are merged "
-                                 "into it unless --out), a models_zoo name or "
-                                 "package.module:function")
+    e.add_argument("model", help="a saved Hugging Face model directory (never loaded: traced "
+                                 "on the meta device, only the attention weights read, layer "
+                                 "by layer; the scales are merged into it unless --out), a "
+                                 "models_zoo name or package.module:function")
     e.add_argument("--out", help="output directory (default: the model directory)")
     e.add_argument("--strategy", choices=("tensor", "head"), default="tensor",
                    help="one scale per layer (default) or one per head (attn_head)")
     e.add_argument("--seq-len", type=int, default=8,
-                   help="length of the example prompt traced once (default 8)")
+                   help="length of the example prompt traced once (default 8; a saved "
+                        "directory is traced on the meta device with 8 tokens)")
     e.add_argument("--size", choices=("small", "full"), default="small",
                    help="models_zoo paper architectures: scaled-down or full size")
     e.add_argument("--no-q", action="store_true", help="write k_scale/v_scale only")

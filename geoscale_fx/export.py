@@ -29,11 +29,28 @@ single-file checkpoint becomes a sharded one (``model.safetensors`` renamed to
 whenever it exists. Loading the merged checkpoint with Hugging Face then needs the
 ``compressed-tensors`` package (transformers builds its quantizer from the config).
 
+Two routes to the same bounds:
+
+* **An in-memory model** (``export_kv_scales(model, out_dir, *example_inputs)``): traced once
+  with the example call, bounded from its parameters (``WeightKVScales``).
+* **A checkpoint directory** (``export_kv_scales("ckpt")``, what ``geoscale
+  export-kv-scales ckpt`` runs): for checkpoints bigger than memory. The model is built from
+  ``config.json`` on the meta device and traced there; each attention's q/k/v projections,
+  biases and norm gains — the tensors its analysis names, nothing found by name — are read
+  with ``safetensors.safe_open``, one layer at a time, and dropped after
+  (``geoscale_fx.checkpoint_scales``). A tensor among them that is missing or not finite is a
+  ``ValueError`` naming it and its file, and nothing is written. The scales are
+  bit-identical to the first route on ``from_pretrained("ckpt")``.
+
+Every refusal (above, an unbounded attention, another ``quant_method`` in ``config.json``, a
+scale name held by another file) comes before the first file is written.
+
 Example::
 
     import geoscale_fx, torch
     model.save_pretrained("ckpt")
     geoscale_fx.export_kv_scales(model, "ckpt", torch.randint(0, 100, (1, 8)))
+    geoscale_fx.export_kv_scales("ckpt")      # the same, without loading the model
     # vllm serve ckpt --kv-cache-dtype fp8
 """
 from __future__ import annotations
@@ -48,6 +65,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
+from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
 from geoscale_fx.kv_cache import LayerScales, WeightKVScales, scale_from_bound
 
 __all__ = ["KV_STRATEGIES", "KVExportOptions", "KVScaleExport", "export_kv_scales",
@@ -61,8 +80,6 @@ KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
 KV_FORMATS = ("e4m3",)
 SCALES_FILE = "kv_scales.safetensors"
 CONFIG_FRAGMENT_FILE = "quantization_config.json"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_WEIGHTS_FILE = "model.safetensors"
 SINGLE_SHARD_FILE = "model-00001-of-00001.safetensors"
 
 
@@ -133,7 +150,8 @@ def _check_module_paths(model: nn.Module, layers: list[LayerScales]) -> None:
                              "(pass the plain Hugging Face model, not a wrapper)") from None
 
 
-def _merge_config(config_path: Path, qconfig: dict) -> None:
+def _merged_config(config_path: Path, qconfig: dict) -> dict:
+    """``config.json`` with the ``quantization_config`` (refused: another method's)."""
     config = json.loads(config_path.read_text())
     existing = config.get("quantization_config")
     if existing is not None:
@@ -144,13 +162,13 @@ def _merge_config(config_path: Path, qconfig: dict) -> None:
                              "one can take a kv_cache_scheme")
         qconfig = {**existing, "kv_cache_scheme": qconfig["kv_cache_scheme"]}
     config["quantization_config"] = qconfig
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
 
 
-def _merge_index(out_dir: Path, names: list[str]) -> Path:
-    """Add ``names`` -> ``kv_scales.safetensors`` to the weight index. A single-file
-    checkpoint becomes a sharded one (``model.safetensors`` renamed to a shard, an index
-    written): Hugging Face reads ``model.safetensors`` alone when it exists, ignoring any
+def _merged_index(out_dir: Path, names: list[str]) -> dict:
+    """The weight index with ``names`` -> ``kv_scales.safetensors`` added. A single-file
+    checkpoint becomes a sharded one (``_write_index`` renames ``model.safetensors`` to a
+    shard): Hugging Face reads ``model.safetensors`` alone when it exists, ignoring any
     index, and vLLM keeps only the files an index lists."""
     index_path = out_dir / INDEX_FILE
     single = out_dir / SINGLE_WEIGHTS_FILE
@@ -170,46 +188,76 @@ def _merge_index(out_dir: Path, names: list[str]) -> Path:
     if clash:
         raise ValueError(f"export_kv_scales: the checkpoint already holds {clash[:3]} in "
                          "another file; remove them first")
+    index["weight_map"].update({n: SCALES_FILE for n in names})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    return index
+
+
+def _write_index(out_dir: Path, index: dict) -> Path:
+    index_path, single = out_dir / INDEX_FILE, out_dir / SINGLE_WEIGHTS_FILE
     if not index_path.exists():
         single.rename(out_dir / SINGLE_SHARD_FILE)
         log.info("geoscale: export_kv_scales: %s renamed to %s (now indexed)", single.name,
                  SINGLE_SHARD_FILE)
-    index["weight_map"].update({n: SCALES_FILE for n in names})
-    index["weight_map"] = dict(sorted(index["weight_map"].items()))
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     return index_path
 
 
-def export_kv_scales(model: nn.Module, out_dir: Union[str, os.PathLike], *example_inputs,
+def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
+                     out_dir: Union[str, os.PathLike, None] = None, *example_inputs,
                      strategy: str = "tensor", fmt: str = "e4m3", include_q: bool = True,
                      **example_kwargs) -> KVScaleExport:
-    """Write ``model``'s k/v (and q) scales, bound / R_max, as compressed-tensors does.
+    """Write the k/v (and q) scales, bound / R_max, as compressed-tensors does.
 
-    ``example_inputs``/``example_kwargs`` are one call of the model, traced once to find its
-    attention (the scales do not depend on them). Every attention must be bounded from the
-    weights, else ``ValueError`` (``WeightKVScales.capture``).
+    ``model`` is either
+
+    * an ``nn.Module``: ``example_inputs``/``example_kwargs`` are one call of it, traced once
+      to find its attention (the scales do not depend on them); ``out_dir`` is required;
+    * a saved Hugging Face checkpoint directory (safetensors, sharded or not): the model is
+      traced on the meta device and only the tensors the bounds read are read, one layer
+      at a time (``geoscale_fx.checkpoint_scales``), so a checkpoint bigger than memory
+      works; no example inputs; ``out_dir`` defaults to the directory (merged into it). A
+      missing or non-finite tensor among those read is a ``ValueError`` naming it.
+
+    Every attention must be bounded from the weights, else ``ValueError``. Every check runs
+    before the first file is written: a refusal writes nothing.
     """
+    options = KVExportOptions(strategy=strategy, fmt=fmt, include_q=include_q)
+    if isinstance(model, (str, os.PathLike)):
+        if example_inputs or example_kwargs:
+            raise ValueError("export_kv_scales: a checkpoint directory is traced on the meta "
+                             "device with its own example ids; example inputs are for an "
+                             "in-memory model")
+        out_dir = model if out_dir is None else out_dir
+        model, layers = checkpoint_layer_scales(model)
+    else:
+        if out_dir is None:
+            raise ValueError("export_kv_scales: out_dir is needed for an in-memory model")
+        with torch.no_grad():
+            layers = WeightKVScales(model).capture(*example_inputs, **example_kwargs).layers()
+    _check_module_paths(model, layers)
+    return _write(layers, options, Path(out_dir))
+
+
+def _write(layers: list[LayerScales], options: KVExportOptions, out: Path) -> KVScaleExport:
     from safetensors.torch import save_file
 
-    options = KVExportOptions(strategy=strategy, fmt=fmt, include_q=include_q)
-    with torch.no_grad():
-        layers = WeightKVScales(model).capture(*example_inputs, **example_kwargs).layers()
-    _check_module_paths(model, layers)
     tensors = scale_tensors(layers, options)
     qconfig = quantization_config(options)
-
-    out = Path(out_dir)
+    merged = (out / "config.json").exists()
+    if merged:             # refusals first: nothing is written unless all of it can be
+        index = _merged_index(out, sorted(tensors))
+        config = _merged_config(out / "config.json", qconfig)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
     fragment = out / CONFIG_FRAGMENT_FILE
     fragment.write_text(json.dumps({"quantization_config": qconfig}, indent=2) + "\n")
     files = [out / SCALES_FILE, fragment]
-    merged = (out / "config.json").exists()
     if merged:
-        index = _merge_index(out, sorted(tensors))     # refuses before config.json changes
-        _merge_config(out / "config.json", qconfig)
-        files += [out / "config.json", index]
+        index_path = _write_index(out, index)
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        files += [out / "config.json", index_path]
     log.info("geoscale: export_kv_scales: %d layers, strategy=%s, %d tensors -> %s%s",
-             len(layers), strategy, len(tensors), out / SCALES_FILE,
+             len(layers), options.strategy, len(tensors), out / SCALES_FILE,
              " (merged into the checkpoint's config.json and index)" if merged else "")
     return KVScaleExport(tensors, qconfig, tuple(files), merged)
