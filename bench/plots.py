@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.quality import Spread
+
 __all__ = ["spike_plot", "norms_plot", "sweep_plot", "decode_plot"]
 
 
@@ -81,14 +83,20 @@ def sweep_plot(rows: list[dict], path: Path) -> str:
 
 
 def _method_bars(ax, rows: list[dict], group: str, value: str, prefix: str = "") -> None:
-    """Bars of ``row[value]``, one per method, side by side within each (model, ``group``)."""
+    """Bars of ``row[value]``, one per method, side by side within each (model, ``group``);
+    a ``bench.quality.Spread`` is drawn as its median with a min–max whisker."""
     groups = list(dict.fromkeys((r["model"], r[group]) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
-        values = [next(r[value] for r in rows if (r["model"], r[group]) == g
-                       and r["method"] == method) for g in groups]
-        ax.bar([j + i * width for j in range(len(groups))], values, width, label=method)
+        cells = [next(r[value] for r in rows if (r["model"], r[group]) == g
+                      and r["method"] == method) for g in groups]
+        values = [getattr(c, "median", c) for c in cells]
+        spreads = isinstance(cells[0], Spread)
+        whiskers = [[v - c.low for v, c in zip(values, cells)],
+                    [c.high - v for v, c in zip(values, cells)]] if spreads else None
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=method,
+               yerr=whiskers, capsize=2 if spreads else 0)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
     ax.set_xticklabels([f"{m}\n{prefix}{g}" for m, g in groups], fontsize=8)
 
@@ -119,14 +127,15 @@ def decode_plot(rows: list[dict], series: dict, path: Path) -> str:
 
 def kv_cache_plot(rows: list[dict], path: Path) -> str:
     """(a) logit error of each scale source against the unquantized model, before and after
-    fine-tuning; (b) how much of the FP8 range the stored entries use (saturated above 1)."""
+    fine-tuning (median, min–max over prompts); (b) how much of the FP8 range the stored
+    entries use (saturated above 1)."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    _method_bars(ax1, rows, "phase", "logit rel. error")
+    _method_bars(ax1, rows, "phase", "logit rel. L2")
     _method_bars(ax2, rows, "phase", "max |x|/scale / R_max")
     for ax in (ax1, ax2):
         ax.set_yscale("log")
-    ax1.set_ylabel("logit RMS error / RMS logit")
+    ax1.set_ylabel("||logits - unquantized|| / ||unquantized||")
     ax1.set_title("(a) error of the FP8 KV cache")
     ax1.legend(fontsize=8)
     ax2.axhline(1.0, color="red", ls="--", lw=1, label="R_max (saturation)")

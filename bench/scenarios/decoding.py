@@ -17,21 +17,32 @@ Tokens per second (generated tokens / wall time of ``generate``, prefill include
 medians of round-robin repeats, as ratios to plain Inductor measured in the same run. A
 separate audit pass of geometry (``audit=True``) reads the sites' state after every call: the
 largest scaled logit and the overflows over the decode steps (the prefill excluded).
+
+Quality against plain Inductor (the same weights, scaling off), after every timed call and
+over ``QUALITY_SEEDS`` prompts (the first is the timed one): each method is teacher-forced on
+plain Inductor's greedy tokens through the calls generation makes — the prompt once, then one
+token per call with the KV cache, so the compiled prefill and decode graphs that were timed —
+and its logits at the generated positions are compared with plain Inductor's
+(``bench.quality.logit_metrics``: relative L2, KL(plain ‖ method) per token, top-1
+agreement); free-running greedy decoding gives each sequence's first divergence from plain's.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import geoscale_fx
 from bench.methods import METHODS
+from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
 from geoscale_fx.reporting import site_records
 
-__all__ = ["inference", "decode_lengths"]
+__all__ = ["inference", "decode_lengths", "QUALITY_SEEDS"]
 
 #: name in the table -> GeoscaleOptions (None: plain Inductor)
 DECODE_METHODS = {"plain inductor": None, "geometry": METHODS["geometry/head"],
@@ -40,6 +51,9 @@ DECODE_METHODS = {"plain inductor": None, "geometry": METHODS["geometry/head"],
 #: kernel (on CPU, flex_attention's template is slower than SDPA's at these sizes)
 FULL_EXTRA = {"geometry explicit": dict(METHODS["geometry/head"], lowering="explicit")}
 BATCHES = (1, 8)
+PLAIN = "plain inductor"
+#: prompts per batch size the quality columns are measured over (the first is the timed one)
+QUALITY_SEEDS = 3
 
 
 def decode_lengths(context: int) -> tuple[int, int]:
@@ -69,8 +83,9 @@ def _build(lm, options: dict | None, compiler: str):
     return geoscale_fx.apply_(model, **options, compiler=compiler)
 
 
-def _generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
-    """Greedy decoding of exactly ``new`` tokens after ``ids (B, T)``: ``(B, T + new)``.
+def _generate(model, ids: torch.Tensor, new: int, **hf_kwargs):
+    """Greedy decoding of exactly ``new`` tokens after ``ids (B, T)``: ``(B, T + new)``
+    (``hf_kwargs`` go to a Hugging Face ``generate``, which may then return more).
 
     Hugging Face models: a StaticCache, so every shape is fixed and automatic dynamic shapes
     are off (batch 8 after batch 1 compiles static graphs, not slower symbolic ones)."""
@@ -78,12 +93,42 @@ def _generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             return model.generate(ids, attention_mask=torch.ones_like(ids),
                                   max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                  pad_token_id=0, cache_implementation="static")
+                                  pad_token_id=0, cache_implementation="static", **hf_kwargs)
     return model.generate(ids, new, do_sample=False, use_cache=True)
 
 
-def _prompt(lm, ctx: Context, batch: int, length: int) -> torch.Tensor:
-    data = lm.batch(ctx.generator(11), batch, length, "val")
+class _ForceTokens(LogitsProcessor):
+    """Teacher forcing inside ``generate``: the next token is ``tokens[:, t]`` whatever the
+    scores (``output_logits`` still returns the model's raw logits)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens                                        # (B, T + new)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        target = self.tokens[:, input_ids.shape[1], None]           # (B, 1)
+        return torch.full_like(scores, -math.inf).scatter_(1, target, 0.0)
+
+
+def _forced_logits(model, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits ``(B, new, V)`` predicting the generated tokens ``tokens[:, prompt_len:]`` of
+    ``tokens (B, prompt_len + new)``, fed through the calls generation makes: the prompt
+    once, then one token per call with the model's KV cache (the same compiled graphs)."""
+    prompt, new = tokens[:, :prompt_len], tokens.shape[1] - prompt_len
+    if _is_hf(model):
+        out = _generate(model, prompt, new, output_logits=True, return_dict_in_generate=True,
+                        logits_processor=LogitsProcessorList([_ForceTokens(tokens)]))
+        return torch.stack(out.logits, dim=1).float()
+    # nanoGPT's generate with use_cache (prompt + new fits in block_size here: no re-crop)
+    logits, _, cache = model(prompt, use_cache=True)
+    steps = [logits[:, -1]]
+    for t in range(prompt_len, tokens.shape[1] - 1):
+        logits, _, cache = model(tokens[:, t:t + 1], past_key_values=cache, use_cache=True)
+        steps.append(logits[:, -1])
+    return torch.stack(steps, dim=1).float()
+
+
+def _prompt(lm, ctx: Context, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    data = lm.batch(ctx.generator(11 + 100 * seed), batch, length, "val")
     return data["input_ids"] if "input_ids" in data else data["idx"]
 
 
@@ -154,6 +199,43 @@ def _time_methods(models: dict, ids: torch.Tensor, new: int, repeats: int, bar) 
     return compile_s, {n: statistics.median(s) for n, s in samples.items()}, outputs
 
 
+def _quality(models: dict, prompts: list, first_outputs: dict, prompt_len: int,
+             new: int) -> dict:
+    """Per method, against plain Inductor: the teacher-forced metrics per prompt (lists over
+    seeds), and per generated sequence the first divergence of free-running greedy decoding
+    ('divergence') and the first teacher-forced top-1 disagreement ('flip'): the same index at
+    batch 1, where nothing couples the sequences. ``first_outputs``: the greedy outputs of
+    the first prompt (the timed one)."""
+    found = {name: {"rel_l2": [], "kl": [], "top1": [], "divergence": [], "flip": []}
+             for name in models}
+    with torch.no_grad():
+        for seed, ids in enumerate(prompts):
+            greedy = first_outputs if seed == 0 else {
+                name: _generate(model, ids, new) for name, model in models.items()}
+            reference = greedy[PLAIN]
+            ref_logits = _forced_logits(models[PLAIN], reference, prompt_len)  # (B, new, V)
+            for name, model in models.items():
+                logits = (ref_logits if name == PLAIN
+                          else _forced_logits(model, reference, prompt_len))
+                for key, value in logit_metrics(ref_logits, logits).items():
+                    found[name][key].append(value)
+                found[name]["flip"] += [first_divergence(a, b) for a, b in
+                                        zip(ref_logits.argmax(-1), logits.argmax(-1))]
+                found[name]["divergence"] += [
+                    first_divergence(a, b) for a, b in
+                    zip(reference[:, prompt_len:], greedy[name][:, prompt_len:])]
+    return found
+
+
+def _quality_columns(found: dict) -> dict:
+    """One method's quality columns: median [min–max] over prompts (sequences for the
+    divergence), and how many generated sequences equal plain Inductor's."""
+    divergence = found["divergence"]
+    return {"logit rel. L2": spread(found["rel_l2"]), "KL/token": spread(found["kl"]),
+            "top-1 agree": spread(found["top1"]), "first divergence": spread(divergence),
+            "identical": f"{sum(d is None for d in divergence)}/{len(divergence)}"}
+
+
 def _header(ctx: Context, context: int, prompt_len: int, new: int) -> ScenarioResult:
     return ScenarioResult(
         "inference", f"11. Inference: greedy decoding of {new} tokens after a {prompt_len}-"
@@ -166,22 +248,29 @@ def _header(ctx: Context, context: int, prompt_len: int, new: int) -> ScenarioRe
         "compiling call ('compile s'). 'max scaled' and 'overflows' are over the decode calls: "
         f"geometry from a separate audit pass (audit=True, compiler {ctx.compiler}); current "
         "from its own state over all its calls (it divides by the observed max, so it sits at "
-        "R_max by construction). 'tokens = plain': share of generated tokens equal to plain "
-        "Inductor's (FP8 logits may change a greedy choice). The machine is shared: timings "
-        "are noisy; the ratios are measured back to back.")
+        "R_max by construction). Quality against plain Inductor (scaling off), measured after "
+        f"every timed call on {QUALITY_SEEDS} prompts per batch size (the first is the timed "
+        "one), cells 'median [min–max]': each method is teacher-forced on plain Inductor's "
+        "greedy tokens through the calls generate makes (the prompt, then one token per call "
+        "with the KV cache: the compiled graphs that were timed), so one different choice "
+        "does not change what follows. 'logit rel. L2': ||logits - plain's|| / ||plain's|| "
+        "over the generated positions of a prompt's batch; 'KL/token': KL(plain || method) "
+        "of the next-token distributions, mean over those positions; 'top-1 agree': share of "
+        "them where the argmax equals plain's. 'first divergence': per generated sequence, "
+        "the index of the first free-running greedy token that differs from plain's (0 = the "
+        "first new token; '—' = none differs, ranked after every index); 'identical': "
+        "sequences with no divergence. The machine is shared: timings are noisy; the ratios "
+        "are measured back to back.")
 
 
-def _rows(lm, batch: int, models: dict, timing: tuple, audit: dict, prompt_len: int,
-          new: int) -> list[dict]:
-    compile_s, seconds, outputs = timing
-    plain = outputs["plain inductor"][:, prompt_len:]
+def _rows(lm, batch: int, models: dict, timing: tuple, audit: dict, new: int) -> list[dict]:
+    compile_s, seconds, _ = timing
     rows = []
     for name, model in models.items():
         row = {"model": lm.name, "batch": batch, "method": name,
                "tokens/s": batch * new / seconds[name],
-               "ratio": seconds["plain inductor"] / seconds[name],
-               "compile s": compile_s[name], "max scaled": None, "overflows": None,
-               "tokens = plain": float((outputs[name][:, prompt_len:] == plain).float().mean())}
+               "ratio": seconds[PLAIN] / seconds[name],
+               "compile s": compile_s[name], "max scaled": None, "overflows": None}
         if name.startswith("geometry"):     # the audit pass: the same scale, materialized
             row.update({"max scaled": audit["max_scaled"], "overflows": audit["overflows"],
                         "max |S|": audit["max_abs"]})
@@ -189,6 +278,33 @@ def _rows(lm, batch: int, models: dict, timing: tuple, audit: dict, prompt_len: 
             row["max scaled"], row["overflows"] = _state_maxima(model)
         rows.append(row)
     return rows
+
+
+def _run_lm(lm, ctx: Context, methods: dict, lengths: tuple, result: ScenarioResult,
+            bar) -> None:
+    """One LM: the audit pass, the timed decoding per batch size, then (after every timed
+    call) the quality passes; rows and series into ``result``."""
+    prompt_len, new, repeats = lengths
+    prompts = {b: [_prompt(lm, ctx, b, prompt_len, seed) for seed in range(QUALITY_SEEDS)]
+               for b in BATCHES}
+    models = {name: _build(lm, options, ctx.timing_compiler)
+              for name, options in methods.items()}
+    audit = _audit(lm, {b: seeds[0] for b, seeds in prompts.items()}, new, ctx.compiler)
+    bar.update(1)
+    rows, outputs = {}, {}
+    series = result.data.setdefault("geometry_max_scaled", {})
+    for batch, seeds in prompts.items():
+        timing = _time_methods(models, seeds[0], new, repeats, bar)
+        rows[batch] = _rows(lm, batch, models, timing, audit[batch], new)
+        outputs[batch] = timing[2]
+        series[f"{lm.name} b{batch}"] = audit[batch]["series"]
+    for batch, seeds in prompts.items():   # after every timed call: the timings see none
+        found = _quality(models, seeds, outputs[batch], prompt_len, new)
+        result.data.setdefault("quality", {})[f"{lm.name} b{batch}"] = found
+        for row in rows[batch]:
+            row.update(_quality_columns(found[row["method"]]))
+        result.rows += rows[batch]
+        bar.update(1)
 
 
 def inference(ctx: Context) -> ScenarioResult:
@@ -200,20 +316,12 @@ def inference(ctx: Context) -> ScenarioResult:
     result = _header(ctx, context, prompt_len, new)
     repeats = ctx.steps(7, 15)
     methods = {**DECODE_METHODS, **(FULL_EXTRA if ctx.full else {})}
-    bar = ctx.bar(len(lms) * (len(BATCHES) * len(methods) + 1), "inference")
-    series = result.data.setdefault("geometry_max_scaled", {})
+    bar = ctx.bar(len(lms) * (len(BATCHES) * (len(methods) + 1) + 1), "inference")
     for lm in lms:
-        prompts = {b: _prompt(lm, ctx, b, prompt_len) for b in BATCHES}
-        models = {name: _build(lm, options, ctx.timing_compiler)
-                  for name, options in methods.items()}
-        audit = _audit(lm, prompts, new, ctx.compiler)
-        bar.update(1)
-        for batch, ids in prompts.items():
-            timing = _time_methods(models, ids, new, repeats, bar)
-            result.rows += _rows(lm, batch, models, timing, audit[batch], prompt_len, new)
-            series[f"{lm.name} b{batch}"] = audit[batch]["series"]
+        _run_lm(lm, ctx, methods, (prompt_len, new, repeats), result, bar)
     bar.close()
     from bench.plots import decode_plot
 
-    result.plots.append(decode_plot(result.rows, series, ctx.out_dir / "inference.png"))
+    result.plots.append(decode_plot(result.rows, result.data["geometry_max_scaled"],
+                                    ctx.out_dir / "inference.png"))
     return result

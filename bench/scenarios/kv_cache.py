@@ -11,9 +11,12 @@ Per pretrained causal LM: a prompt of real text, then greedy decoding with a Hug
 * (d) ideal — per step and per head, each new token's keys/values quantized with their own
   max (an oracle: no engine knows the max before writing; scales kept per step).
 
-Measured against the unquantized model: cache bytes, the share of greedy tokens equal to the
-unquantized model's, the logit error on teacher-forced decoding of the unquantized model's own
-tokens (relative RMS per step, mean over steps — the error of the cache, not of divergence),
+Measured against the unquantized model, over ``SEEDS`` prompts (median and range): cache
+bytes; teacher-forced decoding of the unquantized model's own greedy tokens, one token per
+call through the FP8 cache, compared with the unquantized logits at the generated positions
+(``bench.quality.logit_metrics``: relative L2, KL(unquantized ‖ FP8) per token, top-1
+agreement — the error of the cache, not of divergence); the first token where free-running
+greedy decoding with the FP8 cache differs from the unquantized model's, per sequence;
 saturated cache entries (|x / scale| ≥ R_max, clamped) and the largest |x / scale| / R_max.
 Then the same after a fine-tuning phase that changes the weights (AdamW on training text):
 geometry re-derives its scales from the new weights for free, the first-batch scales are
@@ -25,17 +28,20 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.fp8 import quantize_dequantize
 from geoscale_fx.kv_cache import LayerScales, WeightKVScales, cache_nbytes, fp8_cache
 
-__all__ = ["fp8_kv_cache", "METHODS"]
+__all__ = ["fp8_kv_cache", "METHODS", "SEEDS"]
 
 FMT = "e4m3"
 #: vLLM's defaults (vllm/envs.py): k_scale = amax(k) / 200, v_scale = amax(v) / 100
 VLLM_K_CONSTANT, VLLM_V_CONSTANT = 200.0, 100.0
 METHODS = ("geometry", "unit (1.0)", "first batch", "ideal per step")
+#: prompts (batches) every quality number is measured over
+SEEDS = 3
 
 
 class _IdealLayer(DynamicLayer):
@@ -81,16 +87,17 @@ def _first_batch_scales(model, ids: torch.Tensor) -> list[LayerScales]:
                           for c in cache.layers])
 
 
-def _caches(model, scales: dict[str, list[LayerScales]]):
-    """Per method: a fresh cache and its saturation counters (None for the oracle)."""
-    out = {}
-    for method, layer_scales in scales.items():
-        if layer_scales is None:
-            out[method] = (_ideal_cache(model.config), None)
-            continue
-        counters = [torch.zeros(2, dtype=torch.int64) for _ in layer_scales]
-        out[method] = (fp8_cache(model.config, layer_scales, FMT, counters), counters)
-    return out
+def _cache(model, layer_scales: list[LayerScales] | None):
+    """A fresh cache and its saturation counters (None for the oracle)."""
+    if layer_scales is None:
+        return _ideal_cache(model.config), None
+    counters = [torch.zeros(2, dtype=torch.int64) for _ in layer_scales]
+    return fp8_cache(model.config, layer_scales, FMT, counters), counters
+
+
+def _shifted(layer_scales: list[LayerScales], factor: float) -> list[LayerScales]:
+    return [LayerScales(s.layer, s.site, s.q_bound, s.k_bound * factor, s.v_bound * factor)
+            for s in layer_scales]
 
 
 def _greedy(model, ids: torch.Tensor, new: int, cache=None) -> torch.Tensor:
@@ -123,44 +130,74 @@ def _utilization(cache, layer_scales) -> float:
     return worst / fp8_max(FMT)
 
 
-def _measure(lm, model, phase: str, scales: dict, prompt: torch.Tensor, new: int) -> list[dict]:
-    prompt_len = prompt.shape[1]
-    reference = _greedy(model, prompt, new)
-    ref_logits = _teacher_forced(model, reference, prompt_len, None)
-    plain = _plain_cache(model, reference[:, :-1])   # what teacher forcing caches
+def _reference(model, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unquantized model's greedy tokens after ``prompt`` and its teacher-forced logits
+    ``(steps, B, V)`` on them."""
+    tokens = _greedy(model, prompt, new)
+    return tokens, _teacher_forced(model, tokens, prompt.shape[1], None)
+
+
+def _evaluate(model, layer_scales, references: list, prompt_len: int) -> dict:
+    """One scale source over every reference: teacher-forced metrics per prompt, the first
+    divergence of free-running greedy decoding per sequence, saturation and range use."""
+    found = {"rel_l2": [], "kl": [], "top1": [], "divergence": [], "saturated": 0,
+             "utilization": 0.0}
+    for tokens, ref_logits in references:
+        cache, counters = _cache(model, layer_scales)
+        logits = _teacher_forced(model, tokens, prompt_len, cache)
+        for key, value in logit_metrics(ref_logits, logits).items():
+            found[key].append(value)
+        if counters is not None:
+            found["saturated"] += int(sum(int(c.sum()) for c in counters))
+        found["utilization"] = max(found["utilization"], _utilization(cache, layer_scales))
+        greedy = _greedy(model, tokens[:, :prompt_len], tokens.shape[1] - prompt_len,
+                         _cache(model, layer_scales)[0])
+        found["divergence"] += [first_divergence(a, b) for a, b in
+                                zip(tokens[:, prompt_len:], greedy[:, prompt_len:])]
+    found["bytes"] = None if counters is None else cache_nbytes(cache)
+    return found
+
+
+def _band(model, layer_scales, reference: tuple, prompt_len: int, rel_l2: float) -> str | None:
+    """Relative L2 on one reference with the scales multiplied by 2^(k/4), k = 0..3
+    (``rel_l2``: k = 0): 'min-max'."""
+    if layer_scales is None:
+        return None
+    tokens, ref_logits = reference
+    band = [rel_l2]
+    for k in range(1, 4):
+        cache = _cache(model, _shifted(layer_scales, 2 ** (k / 4)))[0]
+        logits = _teacher_forced(model, tokens, prompt_len, cache)
+        band.append(logit_metrics(ref_logits, logits)["rel_l2"])
+    return f"{min(band):.3g}-{max(band):.3g}"
+
+
+def _measure(lm, model, phase: str, scales: dict, prompts: list, new: int) -> list[dict]:
+    prompt_len = prompts[0].shape[1]
+    references = [_reference(model, prompt, new) for prompt in prompts]
+    plain = _plain_cache(model, references[0][0][:, :-1])   # what teacher forcing caches
     plain_bytes = cache_nbytes(plain)
     bf16_bytes = plain_bytes // plain.layers[0].keys.element_size() * 2
     dtype_name = str(plain.layers[0].keys.dtype).replace("torch.", "")
     rows = []
-
-    def error(cache) -> float:
-        logits = _teacher_forced(model, reference, prompt_len, cache)
-        return float(((logits - ref_logits).pow(2).mean(dim=(1, 2)).sqrt()
-                      / ref_logits.pow(2).mean(dim=(1, 2)).sqrt()).mean())
-
-    for method, (cache, counters) in _caches(model, scales).items():
-        err = error(cache)
-        utilization = _utilization(cache, scales[method])
-        band = [err]
-        for k in range(1, 4) if scales[method] is not None else ():
-            shifted = [LayerScales(s.layer, s.site, s.q_bound, s.k_bound * 2 ** (k / 4),
-                                   s.v_bound * 2 ** (k / 4)) for s in scales[method]]
-            band.append(error(_caches(model, {method: shifted})[method][0]))
-        fresh = _caches(model, {method: scales[method]})[method][0]
-        tokens = _greedy(model, prompt, new, fresh)
-        agree = float((tokens[:, prompt_len:] == reference[:, prompt_len:]).float().mean())
-        k_scale = None if scales[method] is None else float(
-            torch.stack([s.scales(FMT)[0].max() for s in scales[method]]).max())
+    for method, layer_scales in scales.items():
+        found = _evaluate(model, layer_scales, references, prompt_len)
+        fp8 = found["bytes"]
+        k_scale = None if layer_scales is None else float(
+            torch.stack([s.scales(FMT)[0].max() for s in layer_scales]).max())
         rows.append({
             "model": lm.name, "phase": phase, "method": method,
-            "cache MB": None if counters is None else cache_nbytes(cache) / 2 ** 20,
-            f"vs {dtype_name}": None if counters is None else cache_nbytes(cache) / plain_bytes,
-            "vs bf16": None if counters is None else cache_nbytes(cache) / bf16_bytes,
-            "tokens = unquantized": agree, "logit rel. error": err,
-            "error, scale x2^(k/4)": f"{min(band):.3g}-{max(band):.3g}" if len(band) > 1
-            else None,
-            "saturated": None if counters is None else int(sum(int(c.sum()) for c in counters)),
-            "max |x|/scale / R_max": utilization, "max k_scale": k_scale})
+            "cache MB": None if fp8 is None else fp8 / 2 ** 20,
+            f"vs {dtype_name}": None if fp8 is None else fp8 / plain_bytes,
+            "vs bf16": None if fp8 is None else fp8 / bf16_bytes,
+            "logit rel. L2": spread(found["rel_l2"]), "KL/token": spread(found["kl"]),
+            "top-1 agree": spread(found["top1"]),
+            "first divergence": spread(found["divergence"]),
+            "identical": f"{found['divergence'].count(None)}/{len(found['divergence'])}",
+            "error, scale x2^(k/4)": _band(model, layer_scales, references[0], prompt_len,
+                                           found["rel_l2"][0]),
+            "saturated": None if fp8 is None else found["saturated"],
+            "max |x|/scale / R_max": found["utilization"], "max k_scale": k_scale})
     return rows
 
 
@@ -192,14 +229,22 @@ def fp8_kv_cache(ctx: Context) -> ScenarioResult:
         "fp8-kv-cache", f"12. FP8 (E4M3) KV cache: greedy decoding of {new} tokens, batch "
         f"{batch}, scales from the weights vs 1.0 vs the first batch vs ideal; then after "
         f"{tune_steps} fine-tuning steps (AdamW, lr {lr:g})",
-        notes="Against the unquantized model. 'logit rel. error': RMS(logits - unquantized) / "
-        "RMS(unquantized) per step on teacher-forced decoding of the unquantized model's own "
-        "greedy tokens, mean over steps. 'saturated': cache entries with |x/scale| >= 448 "
-        "(clamped). 'max |x|/scale / R_max': how much of the FP8 range the stored entries use "
-        "(1 for the oracle by construction). 'error, scale x2^(k/4)': the same error with the "
-        "method's scales multiplied by 2^(k/4), k = 0..3 (all certified for geometry): E4M3's "
-        "relative precision does not depend on the scale while values stay normal, so this "
-        "band is the rounding noise of the measurement, not a property of the method. "
+        notes=f"Against the unquantized model, on {SEEDS} prompt batches; cells "
+        "'median [min–max]' over them. Teacher forcing: the unquantized model's own greedy "
+        "tokens fed one per call through the FP8 cache, logits at the generated positions "
+        "compared with the unquantized model's. 'logit rel. L2': ||logits - unquantized|| / "
+        "||unquantized|| over a batch's generated positions; 'KL/token': KL(unquantized || "
+        "FP8) of the next-token distributions, mean over those positions; 'top-1 agree': share "
+        "of them with the unquantized argmax. 'first divergence': per sequence, the index of "
+        "the first free-running greedy token that differs from the unquantized model's ('—' = "
+        "none, ranked after every index); 'identical': sequences with none. 'saturated': cache "
+        "entries with |x/scale| >= 448 (clamped), summed over the prompts. 'max |x|/scale / "
+        "R_max': how much of the FP8 range the stored entries use (1 for the oracle by "
+        "construction). 'error, scale x2^(k/4)': the relative L2 on the first prompt batch "
+        "with the method's scales multiplied by 2^(k/4), k = 0..3 (all certified for "
+        "geometry): E4M3's relative precision does not depend on the scale while values stay "
+        "normal, so this band is the rounding noise of the measurement, not a property of the "
+        "method. "
         "First-batch scales follow vLLM's calc_kv_scales "
         f"(amax/{VLLM_K_CONSTANT:g} for k, amax/{VLLM_V_CONSTANT:g} for v, per layer) on a "
         "calibration batch of other text, frozen: after fine-tuning they are stale (an engine "
@@ -208,9 +253,10 @@ def fp8_kv_cache(ctx: Context) -> ScenarioResult:
     bar = ctx.bar(len(lms) * 2 * len(METHODS), "fp8 kv cache")
     for lm in lms:
         model = lm.build()
-        prompt = lm.batch(ctx.generator(21), batch, 64, "val")["input_ids"]
+        prompts = [lm.batch(ctx.generator(21 + 100 * seed), batch, 64, "val")["input_ids"]
+                   for seed in range(SEEDS)]
         calibration = lm.batch(ctx.generator(22), batch, 64, "val")["input_ids"]
-        source = WeightKVScales(model).capture(prompt[:1, :8])
+        source = WeightKVScales(model).capture(prompts[0][:1, :8])
         first_batch = _first_batch_scales(model, calibration)
         unit = _layer_scales([torch.ones(1)] * len(first_batch),
                              [torch.ones(1)] * len(first_batch))
@@ -220,7 +266,7 @@ def fp8_kv_cache(ctx: Context) -> ScenarioResult:
                 result.data.setdefault("key_weight_change", {})[lm.name] = change
             scales = {"geometry": source.layers(), "unit (1.0)": unit,
                       "first batch": first_batch, "ideal per step": None}
-            rows = _measure(lm, model, phase, scales, prompt, new)
+            rows = _measure(lm, model, phase, scales, prompts, new)
             result.rows += rows
             bar.update(len(rows))
     bar.close()
