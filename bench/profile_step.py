@@ -5,8 +5,8 @@ Hugging Face causal LM (random weights, the zoo's small GPT-2/Llama shapes, or `
 for a longer one) under Inductor, for four programs that differ by one thing each:
 
 * ``plain``      — ``torch.compile`` (SDPA's kernel);
-* ``none``       — geoscale with ``scaling="none"`` and the lowering geometry uses: the
-  attention kernel geoscale runs and its host runtime, no bound, no FP8;
+* ``none``       — geoscale with ``scaling="none"``, planned as geometry is (the same
+  lowering): the attention kernel geoscale runs and its host runtime, no bound, no FP8;
 * ``geometry``   — the default: + the bound's nodes and the quantize/dequantize;
 * ``current``    — current scaling (S materialized, the observed max), for reference.
 
@@ -67,10 +67,7 @@ def _model(config, program: str, training: bool):
         model.compile(backend="inductor", isolate_recompiles=True)
         return model
     scaling = {"none": "none", "geometry": "geometry", "current": "current"}[program]
-    lowering = {}
-    if program == "none" and not training:
-        lowering = {"lowering": "fused"}     # the lowering geometry plans for inference
-    return geoscale_fx.apply_(model, scaling=scaling, compiler="inductor", **lowering)
+    return geoscale_fx.apply_(model, scaling=scaling, compiler="inductor")
 
 
 def decode_programs(config, batch: int, context: int) -> dict[str, Callable[[], object]]:
@@ -165,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(SHAPES), default="gpt2")
-    parser.add_argument("--context", type=int, default=256, help="cache length of decode")
+    parser.add_argument("--context", type=int, nargs="+", default=[256],
+                        help="cache lengths of decode (a curve over several)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", nargs="+", choices=["decode", "forward", "train"],
                         default=["decode", "forward", "train"])
@@ -178,25 +176,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = _config(args.family, args.context)
+    config = _config(args.family, max(max(args.context), 128))
     rows, host = [], []
-    for batch in args.batch:
-        builders = {"decode": lambda: decode_programs(config, batch, args.context),
-                    "forward": lambda: forward_programs(config, batch, 128),
-                    "train": lambda: train_programs(config, batch, 128)}
-        for what in args.steps:
-            programs = builders[what]()
-            timings = interleaved(programs, base="plain", rounds=args.rounds,
-                                  repeats=args.repeats if what != "train" else
-                                  max(2, args.repeats // 3), clock=args.clock)
-            shape = (f"b{batch} cache {args.context}" if what == "decode" else
-                     f"b{batch}x128")
-            rows += breakdown_rows(what, timings, shape)
-            if what == "decode":
-                host += [{"program": p, "shape": shape, **host_split(programs[p])}
-                         for p in PROGRAMS]
-            print(tabulate(rows[-len(PROGRAMS) - 2:], headers="keys", floatfmt=".4g"),
-                  flush=True)
+    jobs = [(what, batch, context) for batch in args.batch for what in args.steps
+            for context in (args.context if what == "decode" else [128])]
+    torch._dynamo.config.automatic_dynamic_shapes = False   # each shape its static graph
+    for what, batch, context in jobs:
+        torch._dynamo.reset()
+        if what == "decode":
+            programs = decode_programs(_config(args.family, context), batch, context)
+        else:
+            programs = (forward_programs if what == "forward" else train_programs)(
+                config, batch, 128)
+        timings = interleaved(programs, base="plain", rounds=args.rounds,
+                              repeats=args.repeats if what != "train" else
+                              max(2, args.repeats // 3), clock=args.clock)
+        shape = f"b{batch} cache {context}" if what == "decode" else f"b{batch}x128"
+        rows += breakdown_rows(what, timings, shape)
+        if what == "decode":
+            host += [{"program": p, "shape": shape, **host_split(programs[p])}
+                     for p in PROGRAMS]
+        print(tabulate(rows[-len(PROGRAMS) - 2:], headers="keys", floatfmt=".4g"),
+              flush=True)
     print(f"\n{args.family}, {torch.get_num_threads()} threads, clock={args.clock}, "
           f"{args.rounds} interleaved rounds\n")
     print(tabulate(rows, headers="keys", floatfmt=".4g"))

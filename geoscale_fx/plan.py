@@ -125,6 +125,10 @@ def _sdpa_lowering(site: AttentionSite, options: GeoscaleOptions, policy: Scalin
                        "shapes (a dynamic recompile)")
     if site.dropout_p > 0:
         reasons.append("attention dropout")
+    if options.lowering == "auto" and not ctx.symbolic and site.q_len == 1:
+        # a decode step: S is 1×L', as cheap to materialize as to stream, and the fused
+        # kernel would rebuild its block mask (two sorts) every call
+        reasons.append("one query (a decode step): S is 1×L'")
     return ("explicit", "; ".join(reasons)) if reasons else ("fused", "")
 
 

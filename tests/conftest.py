@@ -23,3 +23,20 @@ def minilm():
     transformers = pytest.importorskip("transformers")
     model = transformers.BertModel.from_pretrained(gt.get_model_path())
     return model.eval()
+
+
+#: test modules whose tests train, decode or export end to end (tens of seconds each): the
+#: fast tier (``pytest -m "not slow and not distributed and not inductor"``) leaves them out
+SLOW_MODULES = {"test_bench", "test_decode", "test_cached_keys", "test_streaming_export",
+                "test_hf_workflow", "test_kv_cache", "test_bench_families"}
+#: test modules that start several processes (gloo)
+DISTRIBUTED_MODULES = {"test_distributed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if module in DISTRIBUTED_MODULES:
+            item.add_marker(pytest.mark.distributed)

@@ -395,10 +395,12 @@ def test_a_write_through_data_between_calls_is_seen():
 
 @pytest.mark.inductor
 @pytest.mark.zoo
-def test_inductor_decode_loop_end_to_end():
+@pytest.mark.parametrize("lowering, planned", [("auto", "explicit"), ("fused", "fused")])
+def test_inductor_decode_loop_end_to_end(lowering, planned):
     """HF GPT-2, batch 1, a StaticCache filled by an eager prefill, then 3 greedy decode steps
-    compiled by Inductor with geometry scaling (fused: flex_attention; one static decode graph
-    whose query is a view of the fused c_attn output). The tokens, logits and bounds of the
+    compiled by Inductor with geometry scaling (one query per step: materialized by default,
+    flex_attention when asked for; one static decode graph whose query is a view of the fused
+    c_attn output). The tokens, logits and bounds of the
     same rewrite run eagerly, logits within 5% of the unscaled model's; every call rewritten,
     the weights' part of the bound reused after the first."""
     import transformers
@@ -410,7 +412,8 @@ def test_inductor_decode_loop_end_to_end():
         kv = transformers.StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad():
             logits = model(ids, past_key_values=kv, use_cache=True).logits
-        wrapped = geoscale_fx.wrap(model, estimator="exact", compiler=compiler)
+        wrapped = geoscale_fx.wrap(model, estimator="exact", compiler=compiler,
+                                   lowering=lowering)
         with torch.no_grad():
             for _ in range(3):
                 nxt = logits[:, -1].argmax(-1, keepdim=True)
@@ -428,7 +431,7 @@ def test_inductor_decode_loop_end_to_end():
 
     report, counts, lowerings, tokens, logits, bounds, plain = run("inductor")
     _, counts_ref, _, tokens_ref, logits_ref, bounds_ref, _ = run("eager")
-    assert counts == counts_ref == (1, 1, 2) and lowerings == {"fused"}
+    assert counts == counts_ref == (1, 1, 2) and lowerings == {planned}
     assert not report.skipped and report.eager_calls == 0
     assert [row["steps"] for row in report.rows] == [3, 3]
     assert torch.equal(tokens, tokens_ref)

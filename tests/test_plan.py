@@ -113,6 +113,18 @@ def test_training_and_symbolic_shapes_off_cpu_stay_fused(ctx):
     assert result.lowering == "fused" and result.lowering_reason == ""
 
 
+def test_a_one_query_step_is_materialized_unless_fused_is_asked_for():
+    """A decode step (one query, static shapes): S is 1×L', the explicit lowering, with the
+    reason; lowering='fused' keeps the fused kernel, symbolic shapes keep the plan as is."""
+    one = _site(q_len=1)
+    result = _plan(one)
+    assert result.lowering == "explicit" and "one query" in result.lowering_reason
+    assert _plan(one, lowering="fused").lowering == "fused"
+    assert _plan(one, GraphContext(device="cpu", symbolic=True), compiler="aot_eager"
+                 ).lowering == "fused"
+    assert _plan(_site(q_len=2)).lowering == "fused"
+
+
 def test_symbolic_shapes_on_cpu_are_fused_without_inductor():
     """Only Inductor's CPU template fails on symbolic shapes: aot_eager keeps 'fused'."""
     ctx = GraphContext(device="cpu", symbolic=True)

@@ -14,7 +14,8 @@ on a fresh copy of the same weights:
   kernel.
 
 Tokens per second (generated tokens / wall time of ``generate``, prefill included) are
-medians of round-robin repeats, as ratios to plain Inductor measured in the same run. A
+interleaved rounds (``bench.timing``: rotating order, ratios per round), as the median ratio to
+plain Inductor with its spread over rounds and whether that spread meets 0.97. A
 separate audit pass of geometry (``audit=True``) reads the sites' state after every call: the
 largest scaled logit and the overflows over the decode steps (the prefill excluded).
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
 import time
 
 import torch
@@ -40,6 +40,7 @@ import geoscale_fx
 from bench.methods import METHODS
 from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
+from bench.timing import interleaved, spread_flag
 from geoscale_fx.reporting import site_records
 
 __all__ = ["inference", "decode_lengths", "QUALITY_SEEDS"]
@@ -51,6 +52,8 @@ DECODE_METHODS = {"plain inductor": None, "geometry": METHODS["geometry/head"],
 #: kernel (on CPU, flex_attention's template is slower than SDPA's at these sizes)
 FULL_EXTRA = {"geometry explicit": dict(METHODS["geometry/head"], lowering="explicit")}
 BATCHES = (1, 8)
+#: issue 19's goal: decoding at ≥ 0.97 of plain Inductor's tokens/s
+DECODE_GOAL = 0.97
 PLAIN = "plain inductor"
 #: prompts per batch size the quality columns are measured over (the first is the timed one)
 QUALITY_SEEDS = 3
@@ -182,58 +185,23 @@ def _state_maxima(model) -> tuple[float, int]:
 
 
 def _time_methods(models: dict, ids: torch.Tensor, new: int, repeats: int, bar) -> tuple:
-    """Compile seconds (the first call) and median seconds per method, round-robin; the
-    outputs of the last repeat."""
-    compile_s, samples, outputs = {}, {name: [] for name in models}, {}
+    """Compile seconds (the first call), interleaved timings (``bench.timing``: rotating
+    order, a warm-up call each, ratios per round), and the outputs of the last call."""
+    compile_s, outputs = {}, {}
     with torch.no_grad():
         for name, model in models.items():
             start = time.perf_counter()
             _generate(model, ids, new)
             compile_s[name] = time.perf_counter() - start
             bar.update(1)
-        for _ in range(repeats):
-            for name, model in models.items():
-                start = time.perf_counter()
-                outputs[name] = _generate(model, ids, new)
-                samples[name].append(time.perf_counter() - start)
-    return compile_s, {n: statistics.median(s) for n, s in samples.items()}, outputs
 
-
-def _quality(models: dict, prompts: list, first_outputs: dict, prompt_len: int,
-             new: int) -> dict:
-    """Per method, against plain Inductor: the teacher-forced metrics per prompt (lists over
-    seeds), and per generated sequence the first divergence of free-running greedy decoding
-    ('divergence') and the first teacher-forced top-1 disagreement ('flip'): the same index at
-    batch 1, where nothing couples the sequences. ``first_outputs``: the greedy outputs of
-    the first prompt (the timed one)."""
-    found = {name: {"rel_l2": [], "kl": [], "top1": [], "divergence": [], "flip": []}
-             for name in models}
-    with torch.no_grad():
-        for seed, ids in enumerate(prompts):
-            greedy = first_outputs if seed == 0 else {
-                name: _generate(model, ids, new) for name, model in models.items()}
-            reference = greedy[PLAIN]
-            ref_logits = _forced_logits(models[PLAIN], reference, prompt_len)  # (B, new, V)
-            for name, model in models.items():
-                logits = (ref_logits if name == PLAIN
-                          else _forced_logits(model, reference, prompt_len))
-                for key, value in logit_metrics(ref_logits, logits).items():
-                    found[name][key].append(value)
-                found[name]["flip"] += [first_divergence(a, b) for a, b in
-                                        zip(ref_logits.argmax(-1), logits.argmax(-1))]
-                found[name]["divergence"] += [
-                    first_divergence(a, b) for a, b in
-                    zip(reference[:, prompt_len:], greedy[name][:, prompt_len:])]
-    return found
-
-
-def _quality_columns(found: dict) -> dict:
-    """One method's quality columns: median [min–max] over prompts (sequences for the
-    divergence), and how many generated sequences equal plain Inductor's."""
-    divergence = found["divergence"]
-    return {"logit rel. L2": spread(found["rel_l2"]), "KL/token": spread(found["kl"]),
-            "top-1 agree": spread(found["top1"]), "first divergence": spread(divergence),
-            "identical": f"{sum(d is None for d in divergence)}/{len(divergence)}"}
+        def timed(name):
+            def call():
+                outputs[name] = _generate(models[name], ids, new)
+            return call
+        timings = interleaved({name: timed(name) for name in models}, base=PLAIN,
+                              rounds=repeats, repeats=1, warmup=0)
+    return compile_s, timings, outputs
 
 
 def _header(ctx: Context, context: int, prompt_len: int, new: int) -> ScenarioResult:
@@ -244,7 +212,7 @@ def _header(ctx: Context, context: int, prompt_len: int, new: int) -> ScenarioRe
         notes=f"The zoo LMs' context is {context} tokens, so prompt and new tokens fill it "
         "(the issue's 128 + 128 needs 256). Hugging Face models decode with a StaticCache "
         "(static shapes), nanoGPT with its tuple cache. tokens/s: generated tokens over the "
-        "wall time of generate (prefill included), median of round-robin repeats after one "
+        "wall time of generate (prefill included), interleaved rounds after one "
         "compiling call ('compile s'). 'max scaled' and 'overflows' are over the decode calls: "
         f"geometry from a separate audit pass (audit=True, compiler {ctx.compiler}); current "
         "from its own state over all its calls (it divides by the observed max, so it sits at "
@@ -264,12 +232,15 @@ def _header(ctx: Context, context: int, prompt_len: int, new: int) -> ScenarioRe
 
 
 def _rows(lm, batch: int, models: dict, timing: tuple, audit: dict, new: int) -> list[dict]:
-    compile_s, seconds, _ = timing
+    compile_s, timings, _ = timing
     rows = []
     for name, model in models.items():
+        speed = timings.speed(name)
         row = {"model": lm.name, "batch": batch, "method": name,
-               "tokens/s": batch * new / seconds[name],
-               "ratio": seconds[PLAIN] / seconds[name],
+               "tokens/s": batch * new * 1e3 / timings.median_ms(name),
+               "ratio": speed.median, "ratio spread": f"{speed.lo:.3f}-{speed.hi:.3f}",
+               f"vs {DECODE_GOAL}": (spread_flag(speed, DECODE_GOAL, higher_is_better=True)
+                                     if name != PLAIN else ""),
                "compile s": compile_s[name], "max scaled": None, "overflows": None}
         if name.startswith("geometry"):     # the audit pass: the same scale, materialized
             row.update({"max scaled": audit["max_scaled"], "overflows": audit["overflows"],
