@@ -204,6 +204,43 @@ def _time_methods(models: dict, ids: torch.Tensor, new: int, repeats: int, bar) 
     return compile_s, timings, outputs
 
 
+def _quality(models: dict, prompts: list, first_outputs: dict, prompt_len: int,
+             new: int) -> dict:
+    """Per method, against plain Inductor: the teacher-forced metrics per prompt (lists over
+    seeds), and per generated sequence the first divergence of free-running greedy decoding
+    ('divergence') and the first teacher-forced top-1 disagreement ('flip'): the same index at
+    batch 1, where nothing couples the sequences. ``first_outputs``: the greedy outputs of
+    the first prompt (the timed one)."""
+    found = {name: {"rel_l2": [], "kl": [], "top1": [], "divergence": [], "flip": []}
+             for name in models}
+    with torch.no_grad():
+        for seed, ids in enumerate(prompts):
+            greedy = first_outputs if seed == 0 else {
+                name: _generate(model, ids, new) for name, model in models.items()}
+            reference = greedy[PLAIN]
+            ref_logits = _forced_logits(models[PLAIN], reference, prompt_len)  # (B, new, V)
+            for name, model in models.items():
+                logits = (ref_logits if name == PLAIN
+                          else _forced_logits(model, reference, prompt_len))
+                for key, value in logit_metrics(ref_logits, logits).items():
+                    found[name][key].append(value)
+                found[name]["flip"] += [first_divergence(a, b) for a, b in
+                                        zip(ref_logits.argmax(-1), logits.argmax(-1))]
+                found[name]["divergence"] += [
+                    first_divergence(a, b) for a, b in
+                    zip(reference[:, prompt_len:], greedy[name][:, prompt_len:])]
+    return found
+
+
+def _quality_columns(found: dict) -> dict:
+    """One method's quality columns: median [min–max] over prompts (sequences for the
+    divergence), and how many generated sequences equal plain Inductor's."""
+    divergence = found["divergence"]
+    return {"logit rel. L2": spread(found["rel_l2"]), "KL/token": spread(found["kl"]),
+            "top-1 agree": spread(found["top1"]), "first divergence": spread(divergence),
+            "identical": f"{sum(d is None for d in divergence)}/{len(divergence)}"}
+
+
 def _header(ctx: Context, context: int, prompt_len: int, new: int) -> ScenarioResult:
     return ScenarioResult(
         "inference", f"11. Inference: greedy decoding of {new} tokens after a {prompt_len}-"
