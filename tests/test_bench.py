@@ -100,8 +100,12 @@ def test_weight_spike_geometry_rescales_in_the_same_pass(ctx):
 
 def test_overhead_and_sweep_report_ratios_and_memory(ctx):
     result = performance.overhead(ctx)
-    _rows_have(result, "method", "fwd ms", "fwd ratio", "fwd compile s")
+    _rows_have(result, "method", "fwd ms", "fwd ratio", "fwd compile s", "fwd spread",
+               "fwd vs 1.03")
     assert result.rows[0]["method"] == "plain inductor"
+    assert all(r["fwd vs 1.03"] in ("meets", "misses", "undecided") for r in result.rows)
+    assert {r["method"] for r in result.rows if "step ratio" in r} >= {
+        "plain inductor", "geometry/head", "delayed/paper"}
     assert result.rows[0]["fwd ratio"] == pytest.approx(1.0)
     assert "step ratio" in result.rows[1]
     sweep = performance.seq_len_sweep(ctx)
