@@ -79,6 +79,11 @@ def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optiona
     def keep(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx if is_causal else q_idx >= 0
 
+    if not enable_gqa and k.shape[-3] == 1 != q.shape[-3]:
+        # SDPA broadcasts a single key/value head (multi-query attention written without
+        # enable_gqa, e.g. Falcon); flex_attention needs the heads spelled out
+        k = k.expand(*k.shape[:-3], q.shape[-3], *k.shape[-2:])
+        v = v.expand(*v.shape[:-3], q.shape[-3], *v.shape[-2:])
     block_mask = create_block_mask(keep, None, None, q.shape[-2], k.shape[-2], device=q.device)
     # the CPU template needs contiguous inputs, and reads the query's buffer as 4-D: a decode
     # query (B = L = 1) is "contiguous" as a view of its 2-D projection, so copy it always

@@ -177,6 +177,18 @@ def test_without_divisor_matches_float64_sdpa(impl, case_name):
     torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
 
 
+def test_fused_broadcasts_a_single_key_head_as_sdpa_does():
+    """Multi-query attention written without enable_gqa (Falcon): SDPA broadcasts the one
+    key/value head over the query heads; the fused lowering does the same."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 8, generator=gen)
+    k, v = (torch.randn(2, 1, 7, 8, generator=gen) for _ in range(2))
+    out = fused_attention(q, k, v, None, None, softmax_scale=8 ** -0.5, is_causal=False,
+                          enable_gqa=False, fmt="e4m3")
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_causal_is_top_left_aligned_for_rectangular_scores():
     """With L=8 < L'=12, query 0 attends to key 0 only (top-left), so its output is v[..., 0, :]
     in both paths (a bottom-right causal mask would let it see keys 0..4)."""
