@@ -70,7 +70,7 @@ class GraphRuntime:
         self.calib_steps = calib_steps
         self.on_run = on_run
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.param_positions = [i for i, n in enumerate(placeholders) if self.kinds.is_param(n)]
+        self.param_positions = _bound_parameter_positions(gm, plans, placeholders, self.kinds)
         self.full_steps = self.reused_steps = 0
         self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs) or any(
             isinstance(v, torch.SymInt) for n in placeholders
@@ -138,7 +138,7 @@ class GraphRuntime:
         return out
 
     def weights_signature(self, args) -> tuple | None:
-        """Which parameter tensors this call reads, and their in-place version counters: equal
+        """Which parameter tensors the bounds read, and their in-place version counters: equal
         signatures mean the weights did not change (an optimizer step, ``load_state_dict`` and
         any in-place write bump the counter). None when it cannot be known (inference-mode
         tensors keep no counter; the weights are then recomputed every call)."""
@@ -188,6 +188,19 @@ class GraphRuntime:
                     alpha = finalize_calibration(plan, state)
                     log.info("geoscale: %s calibrated: alpha_final %s", plan.site.name,
                              [round(a, 6) for a in alpha.tolist()])
+
+
+def _bound_parameter_positions(gm: GraphModule, plans: list[SitePlan], placeholders: list,
+                               kinds: ValueKinds) -> list[int]:
+    """Positions of the parameter inputs the sites' bounds are computed from (the weights'
+    signature of the reuse variant compares these only: an MLP weight never moves a bound,
+    and a decode step's host work grows with the attention parameters, not with all)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    names = {n for p in plans for n in (p.site.parameter_nodes + (
+        p.site.operand_nodes if p.lowering == "fp8_qkv" else ()))}
+    starts = [by_name[n] for n in names if n in by_name]
+    found = {n for n in upstream(starts) if n.op == "placeholder" and kinds.is_param(n)}
+    return [i for i, n in enumerate(placeholders) if n in found]
 
 
 def _owner_index(gm: GraphModule, plans: list[SitePlan]) -> int | None:
