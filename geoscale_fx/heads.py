@@ -134,7 +134,8 @@ def observed_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, None]:
         keys = resolve(name)
         if not isinstance(keys, torch.Tensor):
             return torch.zeros(n, 1, 1), None
-        norms = key_head_norms(keys, side.observed_axes).repeat_interleave(repeat)
+        norms = key_head_norms(keys, side.observed_axes)
+        norms = norms.repeat_interleave(repeat) if repeat > 1 else norms
         out = torch.maximum(out.to(keys.device), norms)
     return out.reshape(n, 1, 1), None
 

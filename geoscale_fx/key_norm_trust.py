@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.heads import key_head_norms
+from geoscale_fx.passes.cached_keys import whole_vector_slices
 from geoscale_fx.passes.graph_ops import op_of
 from geoscale_fx.passes.site_model import Side
 
@@ -64,8 +65,10 @@ def _stored_from(node: Node, key: str) -> bool:
     while True:
         if node.name == key:
             return True
-        if op_of(node) in ("contiguous", "clone", "detach", "getitem") and node.args and \
-                isinstance(node.args[0], Node):
+        op = op_of(node)
+        moved = op in ("contiguous", "clone", "detach") or (
+            op == "getitem" and whole_vector_slices(node.args[1]))   # heads stay in place
+        if moved and isinstance(node.args[0], Node):
             node = node.args[0]
             continue
         return False

@@ -33,7 +33,7 @@ from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, example_value, op_of
 
-__all__ = ["KeySources", "key_sources"]
+__all__ = ["KeySources", "key_sources", "whole_vector_slices"]
 
 #: data-movement ops that keep every key vector whole (checked further per op)
 _PASS_THROUGH = frozenset({"contiguous", "clone", "detach"})
@@ -71,7 +71,7 @@ def _is_inplace(node: Node) -> bool:
     return node.op == "call_function" and node.target in (operator.setitem,)
 
 
-def _whole_vector_slices(index) -> bool:
+def whole_vector_slices(index) -> bool:
     """``x[a, b, c, d]`` with slices only, heads (dim 1) and channels (dim 3) untouched."""
     index = index if isinstance(index, tuple) else (index,)
     if any(i is Ellipsis for i in index) or len(index) > 4:
@@ -124,7 +124,7 @@ class _Walk:
         elif op in _PASS_THROUGH or (op == "cast" and value.dtype == self.dtype
                                      and example_value(node.args[0]).dtype == self.dtype):
             self.visit(node.args[0], repeat)
-        elif op == "getitem" and _whole_vector_slices(node.args[1]):
+        elif op == "getitem" and whole_vector_slices(node.args[1]):
             self.visit(node.args[0], repeat)
         else:
             self._leaf(node, repeat)
