@@ -45,8 +45,8 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
         raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
     kinds = ValueKinds(gm.graph, example_inputs)
     evaluator = ParamEvaluator(gm, example_inputs, kinds)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    by_name = {n.name: n for n in gm.graph.nodes}
+    order = NodeOrder(gm.graph)
+    by_name = order.by_name
 
     def resolve(name: str) -> torch.Tensor:
         value = evaluator.evaluate(by_name[name])
@@ -73,6 +73,14 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
                      site.reason)
         sites.append(site)
     return sites
+
+
+class NodeOrder(dict):
+    """Position of every node of a graph, and its nodes by name (built once per graph)."""
+
+    def __init__(self, graph):
+        super().__init__((n, i) for i, n in enumerate(graph.nodes))
+        self.by_name = {n.name: n for n in self}
 
 
 # --------------------------------------------------------------------------------------
@@ -109,22 +117,35 @@ def _side_of(trace: OperandTrace, rows: HeadRows, checker: AngleChecker, kinds: 
 def _pairs(features, offset: int, checker: AngleChecker) -> tuple[int, ...]:
     """Per head channel, the channel it is rotated with (-1: not rotated), the same in every
     head; () when not known (stacked rotations, or heads that differ)."""
-    if len(checker.rotaries) != 1:
+    if len(checker.rotaries) != 1 or not features:
         return ()
-    partner_of: dict[int, int] = {}
+    if len({len(head) for head in features}) != 1:
+        return ()
+    heads = torch.tensor([list(head) for head in features], dtype=torch.long) + offset
+    partner = _partner_table(checker, int(heads.max()) + 1)          # feature -> partner
+    width = partner.numel()
+    # position of every feature inside its own head (-1: not in that head)
+    position = torch.full((heads.shape[0], width), -1, dtype=torch.long)
+    position.scatter_(1, heads, torch.arange(heads.shape[1]).expand_as(heads).contiguous())
+    partners = partner[heads]                                         # (heads, head_dim)
+    rotated = partners >= 0
+    rows = torch.where(rotated, position.gather(1, partners.clamp(min=0)), -1)
+    if bool((rotated & (rows < 0)).any()):
+        return ()      # a partner outside the head (checked elsewhere) or another term
+    if bool((rows != rows[0]).any()):
+        return ()
+    return tuple(rows[0].tolist())
+
+
+def _partner_table(checker: AngleChecker, width: int) -> torch.Tensor:
+    """``table[f]``: the feature rotated with feature ``f`` (-1: none), over at least
+    ``width`` features (the last recorded pairing of a feature wins)."""
+    width = max([width] + [int(t.max()) + 1 for pair in checker.partners for t in pair
+                           if t.numel()])
+    table = torch.full((width,), -1, dtype=torch.long)
     for feature, partner in checker.partners:
-        partner_of.update(zip(feature.tolist(), partner.tolist()))
-    layout = None
-    for head in features:
-        where = {f + offset: j for j, f in enumerate(head)}
-        row = tuple(where.get(partner_of.get(f + offset, -1), -1) if
-                    (f + offset) in partner_of else -1 for f in head)
-        if any((f + offset) in partner_of and r < 0 for f, r in zip(head, row)):
-            return ()      # a partner outside the head (checked elsewhere) or another term
-        if layout is not None and row != layout:
-            return ()
-        layout = row
-    return layout or ()
+        table[feature.long()] = partner.long()
+    return table
 
 
 def _rotary(rows: HeadRows, rotaries):
@@ -218,7 +239,7 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
             for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
                                              ("key", k_trace, k_track, k_rows)))
         terms += [Term(q, k) for q in q_sides for k in k_sides]
-    terms, shard = _localize(cand, terms, q_track.shape[-1])
+    terms, shard = _localize(cand, terms, q_track.shape[-1], order.by_name)
     fields = _fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
                      k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1])
     value = _value_side(cand, kinds, evaluator, order) if shard is None else \
@@ -226,10 +247,10 @@ def _analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> d
     return {**fields, **value, "shard": shard}
 
 
-def _localize(cand: Candidate, terms: list[Term], head_dim: int) -> tuple[list[Term], object]:
+def _localize(cand: Candidate, terms: list[Term], head_dim: int, by_name: dict[str, Node]
+              ) -> tuple[list[Term], object]:
     """Tensor parallel: every term's sides on the rank's local weight shards, and the one
     ``HeadShard`` they share (None without DTensor weights)."""
-    by_name = {n.name: n for n in cand.node.graph.nodes}
     local, shards = [], []
     for term in terms:
         q, k, shard = localize_term(term.q, term.k, by_name, head_dim)
@@ -477,12 +498,20 @@ def _partners_within(checker: AngleChecker, groups, message: str) -> None:
     same group, else ``Unsupported(message)``."""
     if not checker.partners:
         return
-    group_of = {f: g for g, features in enumerate(groups) for f in features}
+    groups = [tuple(features) for features in groups]
+    features = torch.tensor([f for group in groups for f in group], dtype=torch.long)
+    if not features.numel():
+        return
+    members = torch.repeat_interleave(torch.arange(len(groups)),
+                                      torch.tensor([len(g) for g in groups]))
+    width = max([int(features.max())] + [int(t.max()) for pair in checker.partners
+                                         for t in pair if t.numel()]) + 1
+    group_of = torch.full((width,), -1, dtype=torch.long)        # -1: in no group
+    group_of[features] = members
     for feature, partner in checker.partners:
-        for f, p in zip(feature.tolist(), partner.tolist()):
-            g = group_of.get(f)
-            if g is not None and group_of.get(p) != g:
-                raise Unsupported(message)
+        own = group_of[feature.long()]
+        if bool(((own >= 0) & (group_of[partner.long()] != own)).any()):
+            raise Unsupported(message)
 
 
 def _fields(cand, terms: list[Term], gain, q_len, kv_len, head_of_row,
