@@ -174,8 +174,19 @@ def _save_atomically(model, recipe: Recipe, metrics: dict, out_dir: Path) -> Non
     model.save_pretrained(tmp_dir)
     (tmp_dir / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2))
     (tmp_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
+    # another process (a parallel test worker) may be reading or writing the same entry:
+    # move an old one aside atomically instead of deleting it under its readers
+    old_dir = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(old_dir, ignore_errors=True)
+    try:
+        os.replace(out_dir, old_dir)
+    except FileNotFoundError:
+        pass
+    try:
+        os.replace(tmp_dir, out_dir)
+    except OSError:            # another process saved the same recipe in between: keep it
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    shutil.rmtree(old_dir, ignore_errors=True)
 
 
 def load_pretrained(family: str, recipe: Recipe | None = None, *,

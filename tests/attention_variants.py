@@ -17,14 +17,23 @@ DH = D // H
 
 
 class RMSNormDecomposed(nn.Module):
-    def __init__(self, d, gemma=False):
+    """RMSNorm from plain ops: ``x·rsqrt(mean(x²)+ε)``; ``style="pow"`` writes it as Gemma 4
+    does (``x·pow(mean(x.pow(2))+ε, -0.5)``), ``style="square"`` as DeepSeek-V4
+    (``x·rsqrt(mean(x.square())+ε)``)."""
+
+    def __init__(self, d, gemma=False, style="rsqrt"):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(d) if gemma else torch.ones(d))
-        self.gemma = gemma
+        self.gemma, self.style = gemma, style
 
     def forward(self, x):
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.style == "pow":
+            x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+        elif self.style == "square":
+            x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+        else:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         return x * (1.0 + self.weight) if self.gemma else self.weight * x
 
 
@@ -49,11 +58,16 @@ class Block(nn.Module):
     """A configurable self-attention block; each flag selects one surface form."""
 
     def __init__(self, *, norm="layernorm", layout="separate", attn="sdpa", rope=None,
-                 prescale=False, qk_bias=False, gqa=1, partial_rope=False):
+                 prescale=False, qk_bias=False, gqa=1, partial_rope=False, qk_norm=None):
         super().__init__()
         self.norm = {"layernorm": nn.LayerNorm(D), "rmsnorm": nn.RMSNorm(D),
                      "rms_decomposed": RMSNormDecomposed(D),
-                     "gemma": RMSNormDecomposed(D, gemma=True), "none": nn.Identity()}[norm]
+                     "gemma": RMSNormDecomposed(D, gemma=True),
+                     "gemma_pow": RMSNormDecomposed(D, style="pow"),
+                     "none": nn.Identity()}[norm]
+        # a per-head RMSNorm of q and k (QK-norm) written in style ``qk_norm``
+        self.q_norm = RMSNormDecomposed(DH, style=qk_norm) if qk_norm else None
+        self.k_norm = RMSNormDecomposed(DH, style=qk_norm) if qk_norm else None
         self.layout, self.attn, self.rope, self.prescale = layout, attn, rope, prescale
         self.kv_heads = H // gqa
         self.partial_rope = partial_rope
@@ -97,6 +111,8 @@ class Block(nn.Module):
         B, L, _ = x.shape
         h = self.norm(x)
         q, k, v = self._qkv(h)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = self._apply_rope(q, k)
         if self.kv_heads != H:
@@ -220,4 +236,10 @@ VARIANTS = {
                              dict(rope=True, n_kv_heads=H // 2)),
     "rope_interleaved": (block(rope="interleaved", attn="explicit"), dict(rope=True)),
     "rope_partial": (block(rope="half", partial_rope=True), dict(rope=True)),
+    # Gemma 4: RMSNorm's rsqrt written as pow(·, -0.5), before the projections and as QK-norm
+    "qk_norm_pow_rope": (block(norm="gemma_pow", qk_norm="pow", rope="half"),
+                         dict(rope=True, norm="rmsnorm", model_dim=DH)),
+    # DeepSeek-V4: mean(x.square()) as the mean square of a QK-norm
+    "qk_norm_square": (block(norm="rmsnorm", qk_norm="square", attn="explicit"),
+                       dict(norm="rmsnorm", model_dim=DH)),
 }

@@ -63,6 +63,8 @@ def _mean_square_source(node: Node) -> Optional[Node]:
         return None
     if op_of(square) == "pow" and scalar_constant(square.args[1]) == 2.0:
         return strip_casts(square.args[0])
+    if op_of(square) == "square":
+        return strip_casts(square.args[0])
     if op_of(square) == "mul" and square.args[0] is square.args[1]:
         return strip_casts(square.args[0])
     return None
@@ -71,7 +73,11 @@ def _mean_square_source(node: Node) -> Optional[Node]:
 def _rms_denominator_source(node: Node, invert: bool) -> Optional[Node]:
     """``a`` if ``node`` is ``rsqrt(mean(a²)+eps)`` (or ``sqrt(...)`` when ``invert``)."""
     node = strip_casts(node)
-    if op_of(node) != ("sqrt" if invert else "rsqrt"):
+    # pow(·, ∓0.5) is how Gemma writes rsqrt/sqrt ("compiler differences with JAX")
+    exponent = scalar_constant(node.args[1]) if op_of(node) == "pow" and \
+        len(node.args) > 1 else None
+    if op_of(node) != ("sqrt" if invert else "rsqrt") and \
+            exponent != (0.5 if invert else -0.5):
         return None
     inner = strip_casts(node.args[0])
     if op_of(inner) == "add":
