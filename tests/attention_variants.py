@@ -54,6 +54,11 @@ def _rotate_every_two(x):
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
+def _rotate_every_two_as(x):
+    """RoFormer's form: the swapped pairs reshaped like ``x`` itself (``reshape_as``)."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x)
+
+
 class Block(nn.Module):
     """A configurable self-attention block; each flag selects one surface form."""
 
@@ -97,8 +102,9 @@ class Block(nn.Module):
     def _apply_rope(self, q, k):
         L = q.shape[-2]
         rot = DH // 2 if self.partial_rope else DH
-        cos, sin = _rope_tables(L, rot, interleaved=self.rope == "interleaved")
-        turn = _rotate_every_two if self.rope == "interleaved" else _rotate_half
+        cos, sin = _rope_tables(L, rot, interleaved=self.rope in ("interleaved", "roformer"))
+        turn = {"interleaved": _rotate_every_two, "roformer": _rotate_every_two_as}.get(
+            self.rope, _rotate_half)
 
         def apply(t):
             t_rot, t_pass = t[..., :rot], t[..., rot:]
@@ -236,6 +242,7 @@ VARIANTS = {
                              dict(rope=True, n_kv_heads=H // 2)),
     "rope_interleaved": (block(rope="interleaved", attn="explicit"), dict(rope=True)),
     "rope_partial": (block(rope="half", partial_rope=True), dict(rope=True)),
+    "rope_reshape_as": (block(rope="roformer", attn="explicit"), dict(rope=True)),
     # Gemma 4: RMSNorm's rsqrt written as pow(·, -0.5), before the projections and as QK-norm
     "qk_norm_pow_rope": (block(norm="gemma_pow", qk_norm="pow", rope="half"),
                          dict(rope=True, norm="rmsnorm", model_dim=DH)),

@@ -139,15 +139,12 @@ def _static(value: Any, env: dict[Node, Any]) -> Any:
 
 def _apply(node: Node, tracked: Node, env: dict[Node, Any], op: str) -> Any:
     """Run ``node``'s op with each index tensor of ``tracked`` in its place."""
-    args = [None if a is tracked else _static(a, env) for a in node.args]
-    kwargs = {k: _static(v, env) for k, v in node.kwargs.items()}
     if op in ("expand_as", "view_as"):
-        other = node.args[1]
-        if other is tracked:
-            raise Unsupported(f"`{node.name}`: {op} of the query/key with itself")
-        shape = shape_of(other)
+        shape = shape_of(node.args[1])    # the other tensor (tracked or not) lends a shape
         fn = (lambda t: t.expand(shape)) if op == "expand_as" else (lambda t: t.reshape(shape))
         return env[tracked].map(fn)
+    args = [None if a is tracked else _static(a, env) for a in node.args]
+    kwargs = {k: _static(v, env) for k, v in node.kwargs.items()}
     if op in ("view", "reshape"):
         sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
         if any(isinstance(a, torch.dtype) for a in sizes):
@@ -192,7 +189,10 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
         return rotary.combine(node, terms, checker, negate=op == "sub")
     if op in VALUE_CASTS and isinstance(node.args[0], Node) and node.args[0] in env:
         return env[node.args[0]]   # ``x.type_as(y)``: y (even if tracked) only lends a dtype
-    tracked = _single_tracked(node, env)
+    if op in ("expand_as", "view_as") and node.args[0] in env:
+        tracked = node.args[0]     # ``x.reshape_as(y)``: y (even if tracked) lends a shape
+    else:
+        tracked = _single_tracked(node, env)
     value = env[tracked]
     if isinstance(value, (RotaryTerm, RotaryHalf)):
         term = value if isinstance(value, RotaryTerm) else value.direct
