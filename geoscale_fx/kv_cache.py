@@ -21,6 +21,10 @@ Pieces:
   per-head scales, lets the parent store the FP8 bits (as ``uint8``: CPU has no
   ``index_copy_`` for float8), and returns the dequantized states, as an FP8-KV kernel reads
   them. Entries that reach ±R_max are counted (``saturated``; never a host sync).
+* ``NVFP4Layer`` (``kv_cache="nvfp4"``) — the same with NVFP4 storage (``geoscale_fx.nvfp4``:
+  E2M1 values, an E4M3 scale per 16 entries of the head dim, packed to 4.5 bits per entry);
+  its per-kv-head global scale is bound / (6 · 448), so no block scale can overflow E4M3.
+  ``saturated`` counts block scales above 448.
 * ``fp8_cache(...)`` — a ``DynamicCache``/``StaticCache`` of such layers; ``KVCacheManager``
   builds one per ``generate`` and keeps the counts for ``report()``.
 
@@ -38,6 +42,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from geoscale_fx import nvfp4
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.fp8 import fp8_dtype
@@ -46,13 +51,14 @@ from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.graph_ops import upstream
 from geoscale_fx.scaling import NonFiniteWeights
 
-__all__ = ["KV_CACHE_FORMATS", "LayerScales", "scale_from_bound", "WeightKVScales", "FP8Layer", "fp8_cache",
-           "KVCacheManager", "cache_nbytes"]
+__all__ = ["KV_CACHE_FORMATS", "LayerScales", "scale_from_bound", "WeightKVScales", "FP8Layer",
+           "NVFP4Layer", "fp8_cache", "KVCacheManager", "cache_nbytes"]
 
 log = logging.getLogger("geoscale_fx")
 
-#: ``kv_cache=`` value -> FP8 format
-KV_CACHE_FORMATS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+#: ``kv_cache=`` value -> storage format (an FP8 format, or NVFP4)
+KV_CACHE_FORMATS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2",
+                    "nvfp4": nvfp4.NVFP4}
 
 
 def kv_format(kv_cache: str) -> str:
@@ -74,7 +80,10 @@ class LayerScales:
     v_bound: torch.Tensor          # (n_kv,)
 
     def scales(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_scale, v_scale)`` float32 ``(n_kv,)``: bound / R_max (a divisor)."""
+        """``(k_scale, v_scale)`` float32 ``(n_kv,)``: bound / R_max (a divisor); for
+        NVFP4 the global scales bound / (6 · 448)."""
+        if fmt == nvfp4.NVFP4:
+            return nvfp4.global_scale(self.k_bound), nvfp4.global_scale(self.v_bound)
         return scale_from_bound(self.k_bound, fmt), scale_from_bound(self.v_bound, fmt)
 
 
@@ -317,20 +326,58 @@ class FP8Layer:
                 _dequantize(values, self.v_scale, self.fmt, value_states.dtype))
 
 
-_FP8_CLASSES: dict[type, type] = {}
+class NVFP4Layer(FP8Layer):
+    """Mixin: the parent cache layer stores packed NVFP4 rows (``nvfp4.pack``: uint8
+    ``(B, H, T, d/2 + d/16)``); ``update`` returns the dequantized states. ``k_scale`` and
+    ``v_scale`` are the global scales s_g; ``saturated`` counts block scales above 448."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.k_scale.numel() not in (1, key_states.shape[1]):
+            raise ValueError(f"NVFP4 KV cache: {key_states.shape[1]} key heads, but "
+                             f"{self.k_scale.numel()} global k scales")
+        if key_states.shape[-1] % nvfp4.BLOCK or value_states.shape[-1] % nvfp4.BLOCK:
+            raise ValueError(f"NVFP4 KV cache: head dims {key_states.shape[-1]}/"
+                             f"{value_states.shape[-1]} are not multiples of {nvfp4.BLOCK} "
+                             "(NVFP4's block); use kv_cache='fp8'")
+        self.compute_dtype = key_states.dtype
+        self.k_scale = self.k_scale.to(key_states.device)
+        self.v_scale = self.v_scale.to(key_states.device)
+        k_g, v_g = self.k_scale.view(1, -1, 1, 1), self.v_scale.view(1, -1, 1, 1)
+        keys, k_hits = _nvfp4_store(key_states, k_g)
+        values, v_hits = _nvfp4_store(value_states, v_g)
+        self.saturated.add_(torch.stack([k_hits, v_hits]).to(self.saturated.device))
+        keys, values = super(FP8Layer, self).update(keys, values, *args, **kwargs)
+        return (_nvfp4_read(keys, k_g, key_states.shape[-1]).to(key_states.dtype),
+                _nvfp4_read(values, v_g, value_states.shape[-1]).to(value_states.dtype))
 
 
-def _fp8_class(layer_class: type) -> type:
-    if layer_class not in _FP8_CLASSES:
-        _FP8_CLASSES[layer_class] = type(f"FP8{layer_class.__name__}", (FP8Layer, layer_class),
-                                         {"__module__": __name__})
-    return _FP8_CLASSES[layer_class]
+def _nvfp4_store(states: torch.Tensor, s_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed rows, block scales above 448)`` of ``states`` (B, H, T, d)."""
+    overflow = (nvfp4.block_scale_ratio(states, s_g) > nvfp4.E4M3_MAX).sum()
+    return nvfp4.pack(*nvfp4.quantize(states, s_g)), overflow
+
+
+def _nvfp4_read(packed: torch.Tensor, s_g: torch.Tensor, d: int) -> torch.Tensor:
+    return nvfp4.dequantize(*nvfp4.unpack(packed, d), s_g)
+
+
+_FP8_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _fp8_class(layer_class: type, mixin: type = FP8Layer) -> type:
+    key = (layer_class, mixin)
+    if key not in _FP8_CLASSES:
+        prefix = "NVFP4" if mixin is NVFP4Layer else "FP8"
+        _FP8_CLASSES[key] = type(f"{prefix}{layer_class.__name__}", (mixin, layer_class),
+                                 {"__module__": __name__})
+    return _FP8_CLASSES[key]
 
 
 def fp8_cache(config: Any, layers: list[LayerScales], fmt: str, saturated: list[torch.Tensor],
               *, static: bool = False, max_cache_len: Optional[int] = None):
     """A Hugging Face ``DynamicCache`` (or ``StaticCache``) for ``config`` whose layers store
-    FP8, each with its layer's frozen scales and saturation counter."""
+    FP8 (or NVFP4 for ``fmt="nvfp4"``), each with its layer's frozen scales and saturation
+    counter."""
     from transformers import DynamicCache, StaticCache
 
     if static:
@@ -343,7 +390,8 @@ def fp8_cache(config: Any, layers: list[LayerScales], fmt: str, saturated: list[
         raise ValueError(f"FP8 KV cache: the config has {len(cache.layers)} cache layers, the "
                          f"model {len(layers)} attention layers")
     for i, (layer, scales, counter) in enumerate(zip(cache.layers, layers, saturated)):
-        fp8_layer = object.__new__(_fp8_class(type(layer)))   # the same layer, FP8 storage
+        mixin = NVFP4Layer if fmt == nvfp4.NVFP4 else FP8Layer
+        fp8_layer = object.__new__(_fp8_class(type(layer), mixin))   # quantized storage
         fp8_layer.__dict__.update(layer.__dict__)
         k_scale, v_scale = scales.scales(fmt)
         fp8_layer.setup_fp8(k_scale, v_scale, fmt, counter)
