@@ -148,6 +148,10 @@ class Block(nn.Module):
             p = F.softmax(s.float(), dim=-1).to(q.dtype)
             return torch.bmm(p, v.reshape(B * H, L, DH)).view(B, H, L, DH)
         s = (q @ k.transpose(-2, -1)) * scale
+        if self.attn == "floored":   # XGLM: an additive mask, then a floor at finfo.min
+            s = s + torch.full((L, L), torch.finfo(s.dtype).min).triu(1)
+            s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
+            return F.softmax(s, dim=-1) @ v
         s = torch.where(torch.ones(L, L, dtype=torch.bool).tril(), s, float("-inf"))
         return F.dropout(F.softmax(s, dim=-1), p=0.0) @ v
 
@@ -242,6 +246,7 @@ VARIANTS = {
                              dict(rope=True, n_kv_heads=H // 2)),
     "rope_interleaved": (block(rope="interleaved", attn="explicit"), dict(rope=True)),
     "rope_partial": (block(rope="half", partial_rope=True), dict(rope=True)),
+    "floored_mask": (block(attn="floored"), dict(has_mask=True)),
     "rope_reshape_as": (block(rope="roformer", attn="explicit"), dict(rope=True)),
     # Gemma 4: RMSNorm's rsqrt written as pow(·, -0.5), before the projections and as QK-norm
     "qk_norm_pow_rope": (block(norm="gemma_pow", qk_norm="pow", rope="half"),

@@ -194,8 +194,19 @@ def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Option
         return _through_sink(node, kinds, cand, depth)
     if op == "where":
         return _through_mask(node, node.args[1:3], kinds, cand, depth)
+    if op in ("max", "maximum") and len(node.args) == 2 and _not_activation(node.args[1],
+                                                                          kinds):
+        # ``max(S + M, finfo.min)`` (XGLM): a floor on the masked scores, after them
+        return _through_mask(node, node.args[:1], kinds, cand, depth)
     cand.roles.setdefault("blocker", node)
     return None
+
+
+def _not_activation(value, kinds: ValueKinds) -> bool:
+    """A float, or a tensor that no input of the model flows into (a constant floor; an int
+    would be ``torch.max(S, dim)``, a reduction)."""
+    return isinstance(value, float) or (isinstance(value, Node) and
+                                        not kinds.is_activation(value))
 
 
 def _keeps_score_dims(node: Node) -> bool:

@@ -41,7 +41,7 @@ _FUNCTIONS: dict[Any, str] = {
     F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm",
     F.rms_norm: "rms_norm", torch.rms_norm: "rms_norm",
     torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.pow: "pow", operator.pow: "pow",
-    torch.square: "square",
+    torch.square: "square", torch.maximum: "maximum", torch.max: "max",
     torch.mean: "mean", torch.cos: "cos", torch.sin: "sin", torch.tanh: "tanh",
     F.tanh: "tanh",
     torch._C._nn.scaled_dot_product_attention: "sdpa", F.scaled_dot_product_attention: "sdpa",
@@ -68,7 +68,7 @@ _METHODS: dict[str, str] = {
     "softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm",
     "baddbmm": "baddbmm",
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
-    "pow": "pow", "square": "square", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
+    "pow": "pow", "square": "square", "maximum": "maximum", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
     "to_local": "to_local", "redistribute": "redistribute", "full_tensor": "full_tensor",
 }
 
