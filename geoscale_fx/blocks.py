@@ -35,9 +35,10 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], *, fullgraph: 
     """Compile every module of ``blocks`` in place (``Module.compile``, ``fullgraph`` as in
     ``torch.compile``) with one geoscale backend (options as in ``GeoscaleOptions``) whose
     state lives in ``model``; returns the backend."""
+    options = GeoscaleOptions.from_kwargs(**options).without_kv_cache(
+        "geoscale_fx.compile_blocks")
     state = attach_state(model)    # registered on the model, load_state_dict hooked
-    backend = GeoscaleBackend(GeoscaleOptions.from_kwargs(**options), state=state, owned=True,
-                              qualify=ParameterNames(model))
+    backend = GeoscaleBackend(options, state=state, owned=True, qualify=ParameterNames(model))
     blocks = list(blocks)
     if not blocks:
         raise ValueError("compile_blocks: no blocks given")

@@ -375,4 +375,5 @@ def geoscale_backend(gm: GraphModule, example_inputs: Sequence[Any]):
 
 def backend(**options) -> GeoscaleBackend:
     """A configured backend: ``torch.compile(model, backend=geoscale_fx.backend(alpha="theory"))``."""
-    return GeoscaleBackend(GeoscaleOptions.from_kwargs(**options))
+    return GeoscaleBackend(GeoscaleOptions.from_kwargs(**options)
+                           .without_kv_cache("geoscale_fx.backend"))

@@ -1,5 +1,8 @@
 """Options of the geoscale backend: one frozen dataclass, validated on construction.
 
+The rule: an option a user sets away from its default either takes effect or is a
+``ValueError`` naming it (and the option it depends on). Nothing is silently ignored.
+
 Example::
 
     >>> from geoscale_fx.config import GeoscaleOptions
@@ -13,16 +16,20 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: alpha='auto' calibrates the geometry bound; it needs scaling='geometry', got scaling='delayed'
+    >>> GeoscaleOptions(scaling="delayed", eta=0.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: eta=0.5 only applies to scaling='geometry', got scaling='delayed'
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Union
+from typing import Optional, Union
 
 from geoscale_fx.bounds import FP8_MAX
-from geoscale_fx.passes.site_model import ROPE_BOUNDS
+from geoscale_fx.fp8 import kv_format
 
-__all__ = ["GeoscaleOptions", "CastConfig"]
+__all__ = ["GeoscaleOptions", "BACKEND_ROPE_BOUNDS"]
 
 SCALINGS = ("geometry", "delayed", "current", "none")
 GRANULARITIES = ("head", "layer")
@@ -31,17 +38,16 @@ ALPHA_POLICIES = ("theory", "auto")
 DELAYED_RECIPES = ("paper", "te")
 LOWERINGS = ("auto", "fused", "explicit", "fp8_qkv")
 COMPILERS = ("inductor", "aot_eager", "eager")
+#: RoPE bounds the backend computes per step (the analysis' ``ROPE_BOUNDS`` also has
+#: "relative", an exact maximum over relative positions that is evaluated on the host only)
+BACKEND_ROPE_BOUNDS = ("norm_product", "interaction")
 
-
-@dataclass(frozen=True)
-class CastConfig:
-    """How one tensor is cast to FP8 (torchao's ``CastConfig`` in spirit): the logits today;
-    q, k and v next. ``scale`` is always a divisor: ``x_fp8 = Q(x / scale)``."""
-    target: str                      # "scores" (the softmax input)
-    scaling: str                     # "geometry" | "delayed" | "current" | "none"
-    fp8_format: str                  # "e4m3" | "e5m2"
-    eta: float                       # the scale maps the bound to η·R_max
-    granularity: str                 # "head" | "layer"
+#: options read only by the geometry policy (``scaling.GeometryScaling``, the fp8_qkv
+#: descales for eta and granularity)
+_GEOMETRY_ONLY = ("granularity", "estimator", "alpha", "eta", "rope_bound", "power_iters",
+                  "cold_start_iters")
+#: options read only by the logit bound's estimators and α: an fp8_qkv site reads none of them
+_LOGIT_BOUND_ONLY = ("estimator", "alpha", "rope_bound", "power_iters", "cold_start_iters")
 
 
 @dataclass(frozen=True)
@@ -52,33 +58,48 @@ class GeoscaleOptions:
                   (history of observed maxima, the paper's baseline or TransformerEngine's),
                   "current" (this step's max|S|, materializes S) or "none" (no FP8 at all).
     granularity   "head" (a certified scale per query head; default) or "layer" (the paper's
-                  per-layer norm of the concatenated W^Q W^Kᵀ, one scale per layer).
+                  per-layer norm of the concatenated W^Q W^Kᵀ, one scale per layer; with
+                  lowering="fp8_qkv" one descale per tensor). Geometry only.
     estimator     "power" (one warm power iteration per step, exact at cold start; default)
                   or "exact" (the certified Gram/eigh route every step).
     alpha         1.0 (worst case: a certified bound; default), any positive float, "theory"
                   (α_min of the paper from δ*, N = layers × heads and the sequence length) or
-                  "auto" (calibrated on a burn-in, then frozen).
-    eta           margin η: the scale maps the bound to η·R_max (paper: 0.8).
-    fp8_format    "e4m3" (R_max = 448) or "e5m2" (57344).
-    delta         δ*, the target overflow probability of alpha="theory".
+                  "auto" (calibrated on a burn-in, then frozen). Geometry only.
+    eta           margin η: the scale maps the bound to η·R_max (paper: 0.8). Geometry only
+                  (the delayed recipes carry their own margins; current scaling has none).
+    fp8_format    "e4m3" (R_max = 448) or "e5m2" (57344); not with scaling="none".
+    delta         δ*, the target overflow probability of α_min: only with alpha="theory", or
+                  alpha="auto" whose burn-in α0 is "theory".
     cold_start_iters  minimum power iterations at cold start (paper: 5); the cold start goes
-                  on until the vectors reproduce the exact σ it also computes.
-    power_iters   warm power iterations per step (paper: 1).
+                  on until the vectors reproduce the exact σ it also computes. Power only.
+    power_iters   warm power iterations per step (paper: 1). Power only.
     audit         also materialize the scores to count overflows, the max scaled logit and
-                  utilization (evaluation; forces the explicit lowering).
+                  utilization (evaluation; forces the explicit lowering). The delayed and
+                  current policies observe max|S| anyway; not with scaling="none" (no FP8).
     delayed_recipe    "paper" (history 16, η 0.9, history initialised to 1.0) or "te"
                   (TransformerEngine DelayedScaling: history 1024 of zeros, margin 0).
     history_len   delayed-scaling history length (None: the recipe's).
-    rope_bound    "norm_product" | "relative" | "interaction" (see ``AttentionSite``).
+    rope_bound    "norm_product" (certified) or "interaction" (the paper's, per head; see
+                  ``AttentionSite``). Per layer the bound is already the position-independent
+                  σ, so "interaction" needs granularity="head". "relative" is an analysis
+                  option only (``find_attention(..., rope_bound="relative")``).
     lowering      "auto" (fused flex_attention where the kernel supports the case, else an
                   explicit attention), "fused", "explicit", or "fp8_qkv" (quantize q, k and v
                   instead of the logits, with descales from the weights' certified amax
-                  bounds: FlashAttention-3's FP8 kernel on CUDA, its emulation elsewhere;
-                  sites where q/k/v cannot be bounded keep "auto", with the reason logged and
-                  reported). Needs scaling="geometry"; α applies to those sites' logits only.
+                  bounds: FlashAttention-3's FP8 kernel on CUDA, its emulation elsewhere).
+                  fp8_qkv needs scaling="geometry" and takes eta, fp8_format and granularity;
+                  the logit bound's options (alpha, delta, estimator, rope_bound, power_iters,
+                  cold_start_iters) are refused with it: a site whose q/k/v cannot be bounded
+                  keeps a logit lowering with the certified defaults (α = 1), the reason
+                  logged and reported.
     compiler      "inductor" (default), "aot_eager" (tests: fast, no codegen) or "eager".
     calib_steps, quantile, kappa, alpha0   auto-α (Algorithm 5): burn-in length T_calib,
                   quantile q of the slack ratios, safety multiplier κ ≥ 1, α during burn-in.
+    kv_cache      None (the model's own cache; default) or an FP8 KV cache for ``generate``
+                  whose per-kv-head scales come from the weights: the values
+                  ``geoscale_fx.fp8.KV_CACHE_FORMATS`` lists ("fp8", "fp8_e4m3", "fp8_e5m2",
+                  "nvfp4"). Read by ``wrap`` and ``apply_``, which refuse it for a model without
+                  Hugging Face ``generate``.
     """
 
     scaling: str = "geometry"
@@ -100,11 +121,18 @@ class GeoscaleOptions:
     quantile: float = 0.9999
     kappa: float = 1.0
     alpha0: Union[float, str] = "theory"
+    kv_cache: Optional[str] = None
 
     def __post_init__(self):
+        if self.rope_bound == "relative":
+            raise ValueError("rope_bound='relative' is an analysis option "
+                             "(find_attention(..., rope_bound=...) / site.with_rope_bound); the "
+                             f"backend takes one of {BACKEND_ROPE_BOUNDS}, got "
+                             "rope_bound='relative'")
         for name, allowed in (("scaling", SCALINGS), ("granularity", GRANULARITIES),
                               ("estimator", ESTIMATORS), ("fp8_format", tuple(FP8_MAX)),
-                              ("delayed_recipe", DELAYED_RECIPES), ("rope_bound", ROPE_BOUNDS),
+                              ("delayed_recipe", DELAYED_RECIPES),
+                              ("rope_bound", BACKEND_ROPE_BOUNDS),
                               ("lowering", LOWERINGS), ("compiler", COMPILERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, "
@@ -124,58 +152,72 @@ class GeoscaleOptions:
             raise ValueError(f"quantile must be in (0, 1], got {self.quantile!r}")
         if not isinstance(self.kappa, (int, float)) or self.kappa < 1.0:
             raise ValueError(f"kappa must be >= 1 (a safety multiplier), got {self.kappa!r}")
+        if self.kv_cache is not None:
+            kv_format(self.kv_cache)
         self._cross_validate()
 
     def _cross_validate(self) -> None:
         """Every option that only means something under another one, checked together."""
-        defaults = {f.name: f.default for f in fields(self)}
-
-        def changed(name: str) -> bool:
-            return getattr(self, name) != defaults[name]
-
         if self.alpha == "auto" and self.scaling != "geometry":
             raise ValueError("alpha='auto' calibrates the geometry bound; it needs "
                              f"scaling='geometry', got scaling={self.scaling!r}")
-        geometry_only = ("granularity", "estimator", "alpha", "rope_bound", "power_iters",
-                         "cold_start_iters")
         if self.scaling != "geometry":
-            for name in geometry_only:
-                if changed(name):
-                    raise ValueError(f"{name}={getattr(self, name)!r} only applies to "
-                                     f"scaling='geometry', got scaling={self.scaling!r}")
+            self._refuse_changed(_GEOMETRY_ONLY, "scaling='geometry'", "scaling")
         if self.scaling != "delayed":
-            for name in ("delayed_recipe", "history_len"):
-                if changed(name):
-                    raise ValueError(f"{name}={getattr(self, name)!r} only applies to "
-                                     f"scaling='delayed', got scaling={self.scaling!r}")
+            self._refuse_changed(("delayed_recipe", "history_len"), "scaling='delayed'",
+                                 "scaling")
+        if self.scaling == "none":
+            self._refuse_changed(("fp8_format", "audit"), "a scaling that casts to FP8",
+                                 "scaling")
         if self.alpha != "auto":
-            for name in ("calib_steps", "quantile", "kappa", "alpha0"):
-                if changed(name):
-                    raise ValueError(f"{name}={getattr(self, name)!r} only applies to "
-                                     f"alpha='auto', got alpha={self.alpha!r}")
-        if self.rope_bound == "relative":
-            raise ValueError("rope_bound='relative' is an analysis option "
-                             "(find_attention(..., rope_bound=...) / site.with_rope_bound); the "
-                             "backend takes 'norm_product' or 'interaction', got "
-                             "rope_bound='relative' with scaling=" + repr(self.scaling))
+            self._refuse_changed(("calib_steps", "quantile", "kappa", "alpha0"),
+                                 "alpha='auto'", "alpha")
+        if self._alpha_policy != "theory":
+            where = "alpha0" if self.alpha == "auto" else "alpha"
+            self._refuse_changed(("delta",), "alpha='theory' (or alpha='auto' with "
+                                 "alpha0='theory')", where)
+        if self.estimator == "exact":
+            self._refuse_changed(("power_iters", "cold_start_iters"), "estimator='power'",
+                                 "estimator")
+        if self.granularity == "layer":
+            self._refuse_changed(("rope_bound",), "granularity='head' (per layer the bound "
+                                 "is the position-independent σ already)", "granularity")
         if self.lowering == "fp8_qkv":
-            if self.scaling != "geometry":
-                raise ValueError("lowering='fp8_qkv' predicts the q/k/v scales from the "
-                                 f"weights; it needs scaling='geometry', got "
-                                 f"scaling={self.scaling!r}")
-            if self.audit or self.alpha == "auto":
-                reason = "audit=True" if self.audit else "alpha='auto'"
-                raise ValueError(f"lowering='fp8_qkv' never materializes the logits, but "
-                                 f"{reason} observes them; use lowering='auto' or 'explicit'")
+            self._check_fp8_qkv()
         if self.lowering == "fused" and self.materializes_scores:
             reason = "audit=True" if self.audit else f"scaling={self.scaling!r}"
             raise ValueError(f"lowering='fused' never materializes the scores, but {reason} "
                              "observes max|S| every step; use lowering='auto' or 'explicit'")
 
+    def _check_fp8_qkv(self) -> None:
+        if self.scaling != "geometry":
+            raise ValueError("lowering='fp8_qkv' predicts the q/k/v scales from the "
+                             f"weights; it needs scaling='geometry', got "
+                             f"scaling={self.scaling!r}")
+        if self.audit or self.alpha == "auto":
+            reason = "audit=True" if self.audit else "alpha='auto'"
+            raise ValueError(f"lowering='fp8_qkv' never materializes the logits, but "
+                             f"{reason} observes them; use lowering='auto' or 'explicit'")
+        for name in _LOGIT_BOUND_ONLY:
+            if self._changed(name):
+                raise ValueError(f"{name}={getattr(self, name)!r} sets the logit bound, which "
+                                 "lowering='fp8_qkv' does not use (its descales come from the "
+                                 "q/k/v amax bounds; sites that fall back keep the certified "
+                                 "defaults); use lowering='auto' or 'explicit'")
+
+    def _changed(self, name: str) -> bool:
+        return getattr(self, name) != _DEFAULTS[name]
+
+    def _refuse_changed(self, names, needs: str, by: str) -> None:
+        for name in names:
+            if self._changed(name):
+                raise ValueError(f"{name}={getattr(self, name)!r} only applies to {needs}, "
+                                 f"got {by}={getattr(self, by)!r}")
+
     @property
-    def scores(self) -> CastConfig:
-        """The cast of the softmax input."""
-        return CastConfig("scores", self.scaling, self.fp8_format, self.eta, self.granularity)
+    def _alpha_policy(self):
+        """The α policy in force before any calibration: alpha, or alpha0 under auto-α."""
+        return self.alpha0 if self.alpha == "auto" else self.alpha
 
     @property
     def delayed_history_len(self) -> int:
@@ -190,6 +232,17 @@ class GeoscaleOptions:
         Auto-α materializes S only during its burn-in (see ``GeoscaleBackend``)."""
         return self.audit or self.scaling in ("delayed", "current")
 
+    def without_kv_cache(self, entry: str) -> "GeoscaleOptions":
+        """These options for an entry point that compiles graphs only (``backend``,
+        ``compile_blocks``): the FP8 KV cache lives in ``generate``, which only ``wrap`` and
+        ``apply_`` take over, so ``kv_cache`` set here is a ValueError naming ``entry``."""
+        if self.kv_cache is not None:
+            raise ValueError(f"kv_cache={self.kv_cache!r}: {entry} compiles graphs and never "
+                             "runs generate, which keeps the KV cache; use "
+                             "geoscale_fx.apply_(model, kv_cache=...) or "
+                             "geoscale_fx.wrap(model, kv_cache=...)")
+        return self
+
     def replace(self, **changes) -> "GeoscaleOptions":
         return replace(self, **changes)
 
@@ -201,6 +254,9 @@ class GeoscaleOptions:
         if unknown:
             raise ValueError(f"unknown geoscale option(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(GeoscaleOptions)}
 
 
 def _check_alpha(name: str, value, policies) -> None:

@@ -30,7 +30,6 @@ import functools
 import logging
 import os
 from dataclasses import fields
-from typing import Optional
 
 from torch import nn
 
@@ -53,13 +52,13 @@ log = logging.getLogger("geoscale_fx")
 _PEFT_KV_METHODS = {"PREFIX_TUNING": "prefix tuning"}
 
 
-def apply_(model: nn.Module, kv_cache: Optional[str] = None, **options) -> nn.Module:
+def apply_(model: nn.Module, **options) -> nn.Module:
     """Compile ``model`` in place with the geoscale backend (options as in
     ``GeoscaleOptions``) and return it: same object, same class, state in its state_dict.
-    ``kv_cache="fp8"``: ``model.generate`` keeps an FP8 KV cache with scales from the weights
-    (as in ``wrap``)."""
+    ``kv_cache="fp8"`` (an option like the others): ``model.generate`` keeps an FP8 KV cache
+    with scales from the weights (as in ``wrap``; ``kv_cache="nvfp4"``: emulated NVFP4)."""
     opts = GeoscaleOptions.from_kwargs(**options)
-    kv = KVCacheManager(model, kv_cache) if kv_cache is not None else None
+    kv = KVCacheManager(model, opts.kv_cache) if opts.kv_cache is not None else None
     name = type(model).__name__
     existing = geoscale_call(model)
     if existing is not None:

@@ -9,12 +9,27 @@ from __future__ import annotations
 
 import torch
 
+from geoscale_fx import nvfp4
 from geoscale_fx.bounds import fp8_max
 
-__all__ = ["FP8_DTYPES", "fp8_dtype", "quantize_dequantize", "fake_quantize_logits",
+__all__ = ["FP8_DTYPES", "KV_CACHE_FORMATS", "kv_format", "fp8_dtype", "quantize_dequantize", "fake_quantize_logits",
            "scaled_abs_max", "overflowed"]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+#: ``kv_cache=`` value -> storage format of the KV cache (an FP8 format, or NVFP4)
+KV_CACHE_FORMATS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2",
+                    "nvfp4": nvfp4.NVFP4}
+
+
+def kv_format(kv_cache: str) -> str:
+    """The storage format of ``kv_cache=`` (a ValueError listing the allowed values)."""
+    try:
+        return KV_CACHE_FORMATS[kv_cache]
+    except KeyError:
+        raise ValueError(f"kv_cache={kv_cache!r}; allowed values: "
+                         f"{sorted(KV_CACHE_FORMATS)} (or None for the model's own cache)"
+                         ) from None
 
 
 def fp8_dtype(fmt: str) -> torch.dtype:

@@ -45,7 +45,7 @@ from torch import nn
 from geoscale_fx import nvfp4
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.capture import CapturedGraph, capture_graphs
-from geoscale_fx.fp8 import fp8_dtype
+from geoscale_fx.fp8 import KV_CACHE_FORMATS, fp8_dtype, kv_format
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.graph_ops import upstream
@@ -55,19 +55,6 @@ __all__ = ["KV_CACHE_FORMATS", "LayerScales", "scale_from_bound", "WeightKVScale
            "NVFP4Layer", "fp8_cache", "KVCacheManager", "cache_nbytes"]
 
 log = logging.getLogger("geoscale_fx")
-
-#: ``kv_cache=`` value -> storage format (an FP8 format, or NVFP4)
-KV_CACHE_FORMATS = {"fp8": "e4m3", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2",
-                    "nvfp4": nvfp4.NVFP4}
-
-
-def kv_format(kv_cache: str) -> str:
-    try:
-        return KV_CACHE_FORMATS[kv_cache]
-    except KeyError:
-        raise ValueError(f"kv_cache={kv_cache!r}; allowed values: "
-                         f"{sorted(KV_CACHE_FORMATS)} (or None for the model's own cache)"
-                         ) from None
 
 
 @dataclass(frozen=True)

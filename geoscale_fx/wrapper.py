@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Optional
 
 from torch import nn
 
@@ -25,7 +24,7 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.kv_cache import KVCacheManager
 from geoscale_fx.state import GeoscaleState
 
-__all__ = ["GeoscaleModule", "wrap", "STATE_ATTR", "mark_cold_without_state"]
+__all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -58,13 +57,12 @@ class GeoscaleModule(nn.Module):
 
     forward = _ModelForward()
 
-    def __init__(self, model: nn.Module, options: GeoscaleOptions,
-                 kv_cache: Optional[str] = None):
+    def __init__(self, model: nn.Module, options: GeoscaleOptions):
         super().__init__()
         if geoscale_call(model) is not None:
             raise ValueError(f"geoscale_fx.wrap: {type(model).__name__} was already converted "
                              "in place by geoscale_fx.apply_; call it directly")
-        kv = KVCacheManager(model, kv_cache) if kv_cache is not None else None
+        kv = KVCacheManager(model, options.kv_cache) if options.kv_cache is not None else None
         self.model = model
         model._geoscale_wrapped = True     # apply_ on it would compile it a second time
         self._geoscale_call: GeoscaleCall = compile_with_geoscale(
@@ -126,14 +124,15 @@ class GeoscaleModule(nn.Module):
         return report(self, per_head=per_head)
 
 
-def wrap(model: nn.Module, kv_cache: Optional[str] = None, **options) -> GeoscaleModule:
+def wrap(model: nn.Module, **options) -> GeoscaleModule:
     """``model`` compiled with geoscale (options as in ``GeoscaleOptions``), state kept in it.
 
-    ``kv_cache="fp8"`` (or ``"fp8_e4m3"``, ``"fp8_e5m2"``): ``generate`` keeps keys and values
-    in an FP8 cache whose per-kv-head scales are predicted from the weights
-    (``geoscale_fx.kv_cache``), dynamic or static (``cache_implementation="static"``).
+    ``kv_cache="fp8"`` (an option like the others; or ``"fp8_e4m3"``, ``"fp8_e5m2"``):
+    ``generate`` keeps keys and values in an FP8 cache whose per-kv-head scales are predicted
+    from the weights (``geoscale_fx.kv_cache``), dynamic or static
+    (``cache_implementation="static"``). ``kv_cache="nvfp4"``: emulated NVFP4 (``nvfp4.py``).
 
     The wrapper form: a new module around ``model``. ``geoscale_fx.apply_(model)`` converts
     the model in place instead (same class and methods: ``generate``, ``save_pretrained``).
     """
-    return GeoscaleModule(model, GeoscaleOptions.from_kwargs(**options), kv_cache)
+    return GeoscaleModule(model, GeoscaleOptions.from_kwargs(**options))
