@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "FP8_MAX",
     "fp8_max",
+    "round_up_f32",
     "naive_bound",
     "interaction_bound",
     "worst_case_bound",
@@ -61,6 +62,16 @@ def fp8_max(fmt: str) -> float:
         return FP8_MAX[fmt]
     except KeyError:
         raise ValueError(f"fmt must be one of {sorted(FP8_MAX)}, got {fmt!r}") from None
+
+
+def round_up_f32(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 ``≥ x`` (x float64), floored at the smallest normal float32: a
+    scale derived from a certified bound must not round one ulp under it (an entry at the
+    bound would then saturate), nor be 0 for a zero bound. Traceable."""
+    x = x.double()
+    y = x.to(torch.float32)
+    y = torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+    return y.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _f64(x: TensorLike) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from geoscale_fx import nvfp4
-from geoscale_fx.bounds import fp8_max
+from geoscale_fx.bounds import fp8_max, round_up_f32
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.fp8 import KV_CACHE_FORMATS, fp8_dtype, kv_format
 from geoscale_fx.passes.analyze import analyze_graph
@@ -77,10 +77,7 @@ class LayerScales:
 def scale_from_bound(bound: torch.Tensor, fmt: str) -> torch.Tensor:
     """``bound / R_max`` as the smallest float32 ``≥`` it (floored at the smallest normal):
     rounding to nearest could land one ulp under and let an entry at the bound saturate."""
-    exact = bound.detach().double() / fp8_max(fmt)
-    y = exact.to(torch.float32)
-    y = torch.where(y.double() < exact, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-    return y.clamp_min(torch.finfo(torch.float32).tiny)
+    return round_up_f32(bound.detach().double() / fp8_max(fmt))
 
 
 def _layer_index(model: nn.Module, site_name: str) -> Optional[int]:

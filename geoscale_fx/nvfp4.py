@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from geoscale_fx.bounds import round_up_f32
+
 __all__ = ["NVFP4", "BLOCK", "E2M1_MAX", "E4M3_MAX", "E4M3_MIN_NORMAL", "global_scale",
            "round_e2m1", "block_scale_ratio", "scale_range_counts", "quantize", "dequantize",
            "fake_quantize", "pack", "unpack", "packed_width"]
@@ -53,10 +55,7 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     """float32 s_g ≥ amax / (6 · 448) (any shape; amax ≥ 0, float64 for a certified bound):
     every block of a tensor with |x_i| ≤ amax then has a block scale ≤ 448. Floored at the
     smallest normal float32 so that amax = 0 gives a finite, positive divisor."""
-    exact = amax.detach().double() * (_MARGIN / (E2M1_MAX * E4M3_MAX))
-    y = exact.to(torch.float32)
-    y = torch.where(y.double() < exact, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
-    return y.clamp_min(torch.finfo(torch.float32).tiny)
+    return round_up_f32(amax.detach().double() * (_MARGIN / (E2M1_MAX * E4M3_MAX)))
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,9 @@ Lowerings:
   FP8 q, k, v with descales predicted from the weights (``geoscale_fx.qkv_scaling``) —
   FlashAttention-3's FP8 kernel (``qkv_kernel="fa3"``) or its emulation (``"emulated"``).
   A site whose q, k or v bound cannot be derived keeps a logit lowering, and the plan says
-  why (``qkv_fallback``).
+  why (``qkv_fallback``). At a site reading a KV cache (decode) q is bounded from the weights
+  and k, v from the cache (its FP8 storage scale, or the values it holds:
+  ``geoscale_fx.qkv_scaling``).
 """
 from __future__ import annotations
 
@@ -71,8 +73,9 @@ class SitePlan:
     @property
     def weight_names(self) -> tuple[str, ...]:
         """Graph nodes whose values the program receives (weights, biases, gains)."""
-        if self.lowering == "fp8_qkv":
-            return self.site.operand_nodes
+        if self.lowering == "fp8_qkv":   # a cache's k and v are read, not bounded from weights
+            return self.site.parameter_nodes if self.site.cached_keys else \
+                self.site.operand_nodes
         return self.site.weight_nodes if self.policy.estimators else ()
 
     @property
@@ -137,10 +140,7 @@ def qkv_fallback_reason(site: AttentionSite) -> str:
     if site.kind != "sdpa":
         return (f"{site.kind} attention ({site.node}): fp8_qkv replaces SDPA calls; the "
                 "model's own attention keeps the in-place logit lowering")
-    if site.cached_keys:
-        return ("keys read from a KV cache are bounded by their actual values, not from the "
-                "weights")
-    if site.value is None:
+    if site.value is None and not site.cached_keys:   # cached values: OperandScaling.reads
         return f"the values could not be traced to their projection ({site.value_reason})"
     others = sorted({m.kind for m in site.modifiers if m.kind != "mask"})
     if others:

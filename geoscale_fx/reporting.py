@@ -103,14 +103,16 @@ def _certified(record: SiteRecord) -> bool:
 
 
 def _qkv_rows(record: SiteRecord, per_head: bool) -> list[dict]:
-    """Rows of an fp8_qkv site: heads are kv heads (the descales' layout)."""
+    """Rows of an fp8_qkv site: heads are kv heads (the descales' layout; the state holds
+    each kv head's value once per query head of its group)."""
     plan = record.plan
     values = {name: t.detach().double().cpu() for name, t in record.state.as_dict().items()}
-    n = values["k_scale"].numel()
+    n = record.site.n_kv_heads
+    group = values["k_scale"].numel() // n
     rows = []
     for h in (range(n) if per_head else [None]):
         def pick(t, h=h):
-            return float(t.reshape(-1)[h]) if h is not None else float(t.max())
+            return float(t.reshape(-1)[h * group]) if h is not None else float(t.max())
         last = max(pick(values[f"{r}_max_scaled"]) for r in "qkv")
         rows.append({
             "site": record.name, "head": h if h is not None else f"{n} kv head(s)",

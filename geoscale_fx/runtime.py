@@ -197,7 +197,7 @@ def _bound_parameter_positions(gm: GraphModule, plans: list[SitePlan], placehold
     and a decode step's host work grows with the attention parameters, not with all)."""
     by_name = {n.name: n for n in gm.graph.nodes}
     names = {n for p in plans for n in (p.site.parameter_nodes + (
-        p.site.operand_nodes if p.lowering == "fp8_qkv" else ()))}
+        p.weight_names if p.lowering == "fp8_qkv" else ()))}
     starts = [by_name[n] for n in names if n in by_name]
     found = {n for n in upstream(starts) if n.op == "placeholder" and kinds.is_param(n)}
     return [i for i, n in enumerate(placeholders) if n in found]

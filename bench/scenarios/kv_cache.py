@@ -21,20 +21,42 @@ saturated cache entries (|x / scale| ≥ R_max, clamped) and the largest |x / sc
 Then the same after a fine-tuning phase that changes the weights (AdamW on training text):
 geometry re-derives its scales from the new weights for free, the first-batch scales are
 stale unless the engine re-calibrates.
+
+Second table (issue 21): FP8 q/k/v attention on the FP8 cache, prefill and every decode step
+(``wrap(model, kv_cache="fp8", lowering="fp8_qkv")``), on tiny random-weight models of three
+families (``QKV_FAMILIES``: Llama MHA, GPT-2 fused c_attn, Mistral GQA) with dynamic and
+static caches. Teacher forced (the unquantized model's greedy tokens forced through
+``generate``), relative L2 of the logits at the generated positions against the unquantized
+model, for: geoscale (q from the weights, k/v descales = the FP8 cache's own scales); (a)
+ideal dynamic descales — per (batch, kv head) amax of the actual q/k/v each call / R_max, as
+torchao's low-precision attention — and (b) unit descales, both on the same FP8 cache and the
+same emulated FA3 FP8 attention; and the FP8 cache alone (exact attention). Run alone with
+``python -m bench.scenarios.kv_cache``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch._dynamo.utils import counters as dynamo_counters
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
+import geoscale_fx
 from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.fp8 import quantize_dequantize
-from geoscale_fx.kv_cache import LayerScales, WeightKVScales, cache_nbytes, fp8_cache
+from geoscale_fx.hf_configs import tiny_model
+from geoscale_fx.kv_cache import (
+    KVCacheManager, LayerScales, WeightKVScales, cache_nbytes, fp8_cache,
+)
+from geoscale_fx.qkv_attention import emulated_fp8_attention
 
-__all__ = ["fp8_kv_cache", "METHODS", "SEEDS"]
+__all__ = ["fp8_kv_cache", "METHODS", "SEEDS", "QKV_FAMILIES", "fp8_qkv_decode_errors",
+           "fp8_qkv_decode_rows"]
 
 FMT = "e4m3"
 #: vLLM's defaults (vllm/envs.py): k_scale = amax(k) / 200, v_scale = amax(v) / 100
@@ -270,7 +292,155 @@ def fp8_kv_cache(ctx: Context) -> ScenarioResult:
             result.rows += rows
             bar.update(len(rows))
     bar.close()
+    qkv_rows = fp8_qkv_decode_rows(ctx)
+    result.data["fp8_qkv_decode"] = qkv_rows
+    result.notes += ("\n\n**FP8 q/k/v attention on the FP8 cache, prefill and every decode "
+                     "step** (issue 21; tiny random-weight models, see the module docstring; "
+                     "'rel. L2 …': logits against the unquantized model, teacher forced):\n\n"
+                     + tabulate([list(r.values()) for r in qkv_rows],
+                                headers=list(qkv_rows[0].keys()), tablefmt="github",
+                                floatfmt=".4g"))
     from bench.plots import kv_cache_plot
 
     result.plots.append(kv_cache_plot(result.rows, ctx.out_dir / "fp8_kv_cache.png"))
     return result
+
+
+# --------------------------------------------------------------------------------------
+# FP8 q/k/v attention on the FP8 cache (issue 21)
+# --------------------------------------------------------------------------------------
+
+#: (family of ``geoscale_fx.hf_configs.tiny_model``, what its attention exercises)
+QKV_FAMILIES = (("llama", "MHA, RoPE"), ("gpt2", "MHA, fused c_attn"),
+                ("mistral", "GQA 4:1, RoPE"))
+
+
+class _Forced(LogitsProcessor):
+    """Teacher forcing through ``generate``: the next token is ``tokens[:, t]`` (the raw
+    logits stay in ``output_logits``)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -float("inf"))
+        return forced.scatter_(1, self.tokens[:, input_ids.shape[1], None], 0.0)
+
+
+@contextlib.contextmanager
+def _fp8_sdpa(mode: str, saturated: list):
+    """``F.scaled_dot_product_attention`` replaced by the emulated FA3 FP8 attention with
+    ``mode`` descales: "dynamic" — per (batch, kv head) ``amax / R_max`` of this call's q
+    (over its GQA group), k and v; "unit" — 1.0. ``saturated`` collects, per call, how many
+    entries reached ±R_max."""
+    original, top = F.scaled_dot_product_attention, fp8_max(FMT)
+
+    def descale(x: torch.Tensor, n_kv: int) -> torch.Tensor:        # (B, H_kv)
+        if mode == "unit":
+            return torch.ones(x.shape[0], n_kv)
+        amax = x.detach().abs().float().amax(dim=(2, 3))             # (B, H)
+        amax = amax.reshape(x.shape[0], n_kv, -1).amax(dim=-1)
+        return (amax / top).clamp_min(torch.finfo(torch.float32).tiny)
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        n_kv = k.shape[1]
+        d = [descale(x, n_kv) for x in (q, k, v)]
+        saturated.append(sum(int((x.float() / dd.repeat_interleave(
+            x.shape[1] // n_kv, dim=1)[:, :, None, None]).abs().gt(top * (1 + 1e-5)).sum())
+            for x, dd in zip((q, k, v), d)))
+        return emulated_fp8_attention(q, k, v, *d, attn_mask=attn_mask, is_causal=is_causal,
+                                      softmax_scale=scale if scale is not None
+                                      else q.shape[-1] ** -0.5, fmt=FMT)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _forced_logits(model, prompt: torch.Tensor, tokens: torch.Tensor, **kw) -> torch.Tensor:
+    """``(steps, B, V)`` raw logits of ``generate`` forced along ``tokens``."""
+    new = tokens.shape[1] - prompt.shape[1]
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                             logits_processor=LogitsProcessorList([_Forced(tokens)]), **kw)
+    return torch.stack(out.logits).float()
+
+
+def fp8_qkv_decode_errors(model, prompt: torch.Tensor, new: int, *, static: bool,
+                          compiler: str = "eager") -> dict:
+    """Logit errors (relative L2 against the unquantized model, teacher forced) of FP8 q/k/v
+    attention on geoscale's FP8 cache with: geoscale's descales (``wrap(model,
+    kv_cache="fp8", lowering="fp8_qkv")``), ideal dynamic ones, unit ones; and of the FP8
+    cache alone. Also what the geoscale run did: rewrites, fallbacks, steps per site,
+    overflows, saturated cache entries (``model`` is wrapped: pass a fresh one)."""
+    torch._dynamo.reset()
+    kw = {"cache_implementation": "static"} if static else {}
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                             **kw)
+    tokens, exact = out.sequences, torch.stack(out.logits).float()
+    found = {}
+    manager = KVCacheManager(model, "fp8")
+    for mode in ("cache only", "dynamic", "unit"):
+        cache = manager.new_cache(prompt, static=static, max_cache_len=tokens.shape[1])
+        saturated: list = []
+        with _fp8_sdpa(mode, saturated) if mode != "cache only" else contextlib.nullcontext():
+            logits = _forced_logits(model, prompt, tokens, past_key_values=cache)
+        found[mode] = logit_metrics(exact, logits)["rel_l2"]
+        found[f"{mode} saturated"] = sum(saturated)
+    found["cache saturated"] = manager.saturated_total()
+    before = dict(dynamo_counters["geoscale"])
+    wrapped = geoscale_fx.wrap(model, kv_cache="fp8", lowering="fp8_qkv", compiler=compiler)
+    logits = _forced_logits(wrapped, prompt, tokens, **kw)
+    after = dynamo_counters["geoscale"]
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    rows = wrapped.report().rows
+    found.update({
+        "geoscale": logit_metrics(exact, logits)["rel_l2"],
+        "rewrite_fp8_qkv": delta.get("rewrite_fp8_qkv", 0),
+        "fp8_qkv_fallback": delta.get("fp8_qkv_fallback", 0),
+        "k from cache scale": delta.get("fp8_qkv_k_fp8_cache", 0),
+        "k observed": delta.get("fp8_qkv_k_observed", 0),
+        "lowerings": sorted({r["lowering"] for r in rows}),
+        "steps": [r["steps"] for r in rows], "cached_steps": [r["cached_steps"] for r in rows],
+        "overflow_steps": sum(r["overflow_steps"] or 0 for r in rows),
+        "kv_saturated": model._geoscale_kv_cache.saturated_total(),
+        "skipped": len(wrapped.report().skipped), "eager_calls": wrapped.eager_calls,
+        "calls": new})
+    return found
+
+
+def fp8_qkv_decode_rows(ctx: Context | None = None) -> list[dict]:
+    """The second table of scenario 12 (module docstring): one row per family and cache."""
+    new = 16 if ctx is None else ctx.steps(16, 32)
+    rows = []
+    for family, form in QKV_FAMILIES:
+        for cache in ("dynamic", "static"):
+            model = tiny_model(family, attn_implementation="sdpa", seed=0).eval()
+            prompt = torch.randint(1, model.config.vocab_size, (2, 12),
+                                   generator=torch.Generator().manual_seed(21))
+            found = fp8_qkv_decode_errors(model, prompt, new, static=cache == "static")
+            rows.append({
+                "family": f"{family} ({form})", "cache": cache,
+                "calls fp8_qkv / all": f"{min(found['steps'])}/{found['calls']}",
+                "fallbacks": found["fp8_qkv_fallback"],
+                "rel. L2 geoscale": found["geoscale"],
+                "rel. L2 ideal dynamic": found["dynamic"], "rel. L2 unit": found["unit"],
+                "rel. L2 FP8 cache only": found["cache only"],
+                "geoscale / ideal": found["geoscale"] / found["dynamic"],
+                "overflows (geoscale)": found["overflow_steps"] + found["kv_saturated"],
+                "saturated (unit)": found["unit saturated"]})
+    return rows
+
+
+if __name__ == "__main__":
+    table = fp8_qkv_decode_rows()
+    print(tabulate([list(r.values()) for r in table], headers=list(table[0].keys()),
+                   floatfmt=".4g"))

@@ -33,7 +33,7 @@ from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, example_value, op_of
 
-__all__ = ["KeySources", "key_sources", "whole_vector_slices"]
+__all__ = ["KeySources", "key_sources", "whole_vector_slices", "repeated_kv_heads"]
 
 #: data-movement ops that keep every key vector whole (checked further per op)
 _PASS_THROUGH = frozenset({"contiguous", "clone", "detach"})
@@ -110,7 +110,7 @@ class _Walk:
             self._past(node, repeat)
             return
         op = op_of(node)
-        repeated = _repeat_kv(node)
+        repeated = repeated_kv_heads(node)
         if node.op == "call_method" and node.target == "index_copy_":
             self.visit(node.args[0], repeat)  # the written cache itself (its writes: _past)
         elif repeated is not None:
@@ -155,7 +155,7 @@ class _Walk:
         return found
 
 
-def _repeat_kv(node: Node) -> Optional[tuple[Node, int]]:
+def repeated_kv_heads(node: Node) -> Optional[tuple[Node, int]]:
     """``(x, r)`` when ``node`` is GQA's ``repeat_kv``: ``x[:, :, None]`` (or
     ``x.unsqueeze(2)``) expanded to ``(B, H, r, L, d)`` and reshaped to ``(B, H·r, L, d)``."""
     if op_of(node) not in ("reshape", "view") or not isinstance(node.args[0], Node):

@@ -2,7 +2,9 @@
 
 For an SDPA site the call is replaced by ``program(q, k, v, attn_mask, *weights, *state)``
 (fused flex_attention or explicit attention, ``geoscale_fx.attention``; with
-``lowering="fp8_qkv"`` attention on FP8 q, k, v, ``geoscale_fx.qkv_attention``). For a model's own
+``lowering="fp8_qkv"`` attention on FP8 q, k, v, ``geoscale_fx.qkv_attention``; where k and v
+are read from a KV cache, the program also takes the FP8 cache's scale nodes the operands
+are dequantized with, ``passes.fp8_cache_reads``). For a model's own
 explicit attention the softmax's input (the ``logits`` role: the scores ``q @ kᵀ``, or a
 softcap's output) is routed through ``program(logits, *weights, *state)``, which quantizes it
 in place of the original and leaves the model's mask, softmax and ``· V`` as they were.
@@ -13,9 +15,11 @@ without a plan are not touched.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Callable, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx import scaling
@@ -23,9 +27,13 @@ from geoscale_fx.attention import explicit_attention, fused_attention
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.fp8 import fake_quantize_logits
 from geoscale_fx.passes.dtensor import dtensor_of
+from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read
 from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
 from geoscale_fx.plan import SitePlan
 from geoscale_fx.qkv_attention import emulated_fp8_attention, fa3_fp8_attention
+from geoscale_fx.qkv_scaling import Read
+
+log = logging.getLogger("geoscale_fx")
 
 __all__ = ["make_program", "rewrite", "sdpa_call_options"]
 
@@ -76,19 +84,35 @@ def _sdpa_program(plan: SitePlan, state_names: Sequence[str], call: dict) -> Cal
     return program
 
 
-def _qkv_program(plan: SitePlan, state_names: Sequence[str], call: dict) -> Callable:
-    """SDPA on FP8 q, k, v with the descales the weights give this step."""
+def _qkv_program(plan: SitePlan, state_names: Sequence[str], call: dict,
+                 cache_reads: dict | None = None) -> Callable:
+    """SDPA on FP8 q, k, v with the descales the weights give this step. ``cache_reads``
+    (a site reading a KV cache): per role ``"k"``/``"v"`` its ``FP8CacheRead`` or None; the
+    program then takes the FP8 caches' scales after the weights."""
     opt, n_w = plan.options, len(plan.weight_names)
+    read_roles = [r for r in "kv" if cache_reads is not None and cache_reads.get(r)]
+    n_s = len(read_roles)
 
     def program(q, k, v, attn_mask, *rest):
         weights = dict(zip(plan.weight_names, rest[:n_w]))
-        state = dict(zip(state_names, rest[n_w:]))
-        descales = plan.policy.descales(weights, state, reuse=plan.reuse_weights)
+        scales = dict(zip(read_roles, rest[n_w:n_w + n_s]))
+        state = dict(zip(state_names, rest[n_w + n_s:]))
+        reads = None
+        if cache_reads is not None:
+            reads = {r: Read(x) if r not in scales else
+                     Read(x, scales[r], cache_reads[r].fmt, cache_reads[r].repeat)
+                     for r, x in (("k", k), ("v", v))}
+        descales = plan.policy.descales(weights, state, reuse=plan.reuse_weights, reads=reads)
+        # k and v repeated to the query heads before the call (repeat_kv where a mask is
+        # passed, or a model's own repeat_interleave): each kv head's descale for its copies
+        repeat = k.shape[-3] // plan.site.n_kv_heads
+        kernel = tuple(d.repeat_interleave(repeat, dim=-1) for d in descales) if repeat > 1 \
+            else descales
         if plan.qkv_kernel == "fa3":
-            out = fa3_fp8_attention(q, k, v, *descales, softmax_scale=call["softmax_scale"],
+            out = fa3_fp8_attention(q, k, v, *kernel, softmax_scale=call["softmax_scale"],
                                     is_causal=call["is_causal"])
         else:
-            out = emulated_fp8_attention(q, k, v, *descales, attn_mask=attn_mask,
+            out = emulated_fp8_attention(q, k, v, *kernel, attn_mask=attn_mask,
                                          fmt=opt.fp8_format, softmax_scale=call["softmax_scale"],
                                          is_causal=call["is_causal"],
                                          dropout_p=call["dropout_p"])
@@ -134,12 +158,12 @@ def _inplace_program(plan: SitePlan, state_names: Sequence[str], unit: float) ->
 
 
 def make_program(plan: SitePlan, state_names: Sequence[str], *, sdpa_call: dict | None = None,
-                 unit: float = 1.0) -> Callable:
+                 unit: float = 1.0, cache_reads: dict | None = None) -> Callable:
     """The function a rewritten node calls (named after the site for readable graphs)."""
     if plan.lowering == "inplace":
         program = _inplace_program(plan, state_names, unit)
     elif plan.lowering == "fp8_qkv":
-        program = _qkv_program(plan, state_names, sdpa_call or {})
+        program = _qkv_program(plan, state_names, sdpa_call or {}, cache_reads)
     else:
         program = _sdpa_program(plan, state_names, sdpa_call or {})
     program.__name__ = program.__qualname__ = f"geoscale_{plan.key}"
@@ -186,13 +210,31 @@ def _split_baddbmm(graph, node: Node, program, weights, nodes) -> None:
     graph.erase_node(node)
 
 
+def _cache_reads(plan: SitePlan, node: Node) -> dict | None:
+    """fp8_qkv at a site reading a KV cache: per role ``"k"``/``"v"``, the FP8 cache the
+    operand is dequantized from (its scale bounds it), or None (its values bound it)."""
+    if plan.lowering != "fp8_qkv" or not plan.site.cached_keys:
+        return None
+    reads = {role: fp8_cache_read(x) for role, x in (("k", node.args[1]), ("v", node.args[2]))}
+    if not plan.reuse_weights:      # once per graph (the reuse variant reads the same)
+        for role, found in reads.items():
+            kind = "fp8_cache" if found is not None else "observed"
+            counters["geoscale"][f"fp8_qkv_{role}_{kind}"] += 1
+        log.info("geoscale: %s: fp8_qkv on cached keys: k/v descales from %s", plan.site.name,
+                 {r: f"the FP8 cache's scale ({f.fmt})" if f else "the values read"
+                  for r, f in reads.items()})
+    return reads
+
+
 def _replace_sdpa(graph, by_name, plan: SitePlan, names, weights, nodes) -> None:
     node = by_name[plan.site.node]
-    program = make_program(plan, names, sdpa_call=sdpa_call_options(node))
+    reads = _cache_reads(plan, node)
+    program = make_program(plan, names, sdpa_call=sdpa_call_options(node), cache_reads=reads)
+    scales = [by_name[reads[r].scale] for r in "kv" if reads is not None and reads[r]]
     q, k, v = node.args[:3]
     with graph.inserting_before(node):
         new = graph.call_function(program, (q, k, v, arg(node, 3, "attn_mask"), *weights,
-                                            *nodes))
+                                            *scales, *nodes))
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 
