@@ -85,8 +85,17 @@ def decode_programs(config, batch: int, context: int) -> dict[str, Callable[[], 
                   cache_position=torch.arange(prompt))
         token = ids[:, -1:]
         position = torch.tensor([prompt])
+        calls = [0]
 
-        def step(model=model, cache=cache, token=token, position=position):
+        def step(model=model, cache=cache, token=token, position=position, calls=calls):
+            # every call rewrites slot ``prompt``, but a StaticCache layer also counts the
+            # tokens it was given (``cumulative_length``, which positions derive from): wind
+            # it back before it passes the cache's end (amortized: once per prompt calls)
+            calls[0] += 1
+            if calls[0] % prompt == 0:
+                for layer in cache.layers:
+                    if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                        layer.cumulative_length.fill_(prompt)
             with torch.no_grad():
                 return model(input_ids=token, past_key_values=cache, use_cache=True,
                              cache_position=position).logits

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
@@ -27,11 +28,11 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import example_value, parameter_name, upstream
 from geoscale_fx.passes.rewrite import rewrite
-from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.plan import (
     GraphContext, SitePlan, Skip, burn_in_variant, plan_site, reuse_variant,
 )
-from geoscale_fx.runtime import GraphRuntime
+from geoscale_fx.runtime import GraphRuntime, finalize_calibration
+from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
 
 __all__ = ["GeoscaleBackend", "SiteRecord", "ParameterNames", "backend", "geoscale_backend"]
@@ -276,20 +277,21 @@ class GeoscaleBackend:
         if compiler == "eager":
             return gm.forward
         if compiler == "aot_eager":
-            from torch._dynamo.backends.debugging import aot_eager
-
             return aot_eager(gm, inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        # Inductor's CPU flex_attention template cannot take fused epilogues
-        patches = {"epilogue_fusion": False} if fused else None
+        # No per-call size/stride asserts on the inputs: Dynamo's guards already check the
+        # model's, and the scaling state's shapes are fixed by the plans (a decode step has
+        # ~15 state inputs per site; their asserts were a measurable share of its host time).
+        # Inductor's CPU flex_attention template cannot take fused epilogues.
+        patches = {"size_asserts": False}
+        if fused:
+            patches["epilogue_fusion"] = False
         return compile_fx(gm, inputs, config_patches=patches)
 
     # ---- auto-α -------------------------------------------------------------------------
     def finalize_calibration(self) -> None:
         """Freeze α now from the ratios recorded so far (e.g. after a short data loader)."""
-        from geoscale_fx.runtime import finalize_calibration
-
         for record in self.records.values():
             state = record.state
             if state is not None and "calibrated" in state.names and not bool(state.calibrated):

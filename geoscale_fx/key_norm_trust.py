@@ -3,7 +3,8 @@
 A site whose keys come from a cache that is only moved (``passes.cached_keys``) measures only
 this call's new keys in the graph and keeps ``key_norm_max``, the running per-key-head
 maximum of everything written before. That maximum covers a cache tensor only if every entry
-of the tensor went through the graph: this module records, after each call, the cache
+of the tensor went through the graph: this module records, after each call of a compiled
+graph (per running maximum: a dict lookup and a few weak references), the cache
 tensors the graph read and wrote (the past placeholders, mutated in place by a StaticCache,
 and the graph outputs that are the key or a slice of it: a DynamicCache's ``cat``), each with
 its in-place version counter and the version of the running maximum at that moment.
@@ -22,22 +23,19 @@ caches are re-measured every call (correct, O(cache)).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.heads import key_head_norms
 from geoscale_fx.passes.cached_keys import whole_vector_slices
 from geoscale_fx.passes.graph_ops import op_of
-from geoscale_fx.passes.site_model import Side
+from geoscale_fx.site_model import Side
 
 __all__ = ["KeyNormTrust"]
-
-#: cache tensor -> (running maximum, its version, the tensor's version), after a graph call
-_TRUSTED = WeakIdKeyDictionary()
 
 
 def _version(t: Any) -> int | None:
@@ -47,17 +45,21 @@ def _version(t: Any) -> int | None:
         return None
 
 
-def _trusted(cache: Any, running: torch.Tensor) -> bool:
-    if not isinstance(cache, torch.Tensor):
-        return False
-    entry = _TRUSTED.get(cache)
-    return (entry is not None and entry[0] is running and entry[1] == _version(running)
-            and entry[2] == _version(cache) and entry[2] is not None)
+@dataclass
+class _Trusted:
+    """After a call, for one running maximum: its version, and the cache tensors it covers
+    (weak references, each with the tensor's version then)."""
+    running: weakref.ref
+    version: int | None
+    caches: list[tuple[weakref.ref, int]]
 
-
-def _register(cache: Any, running: torch.Tensor) -> None:
-    if isinstance(cache, torch.Tensor) and _version(cache) is not None:
-        _TRUSTED[cache] = (running, _version(running), _version(cache))
+    def covers(self, cache: Any, running: torch.Tensor) -> bool:
+        if self.running() is not running or self.version != _version(running) or \
+                self.version is None:
+            return False
+        version = _version(cache)
+        return version is not None and any(ref() is cache and seen == version
+                                           for ref, seen in self.caches)
 
 
 def _stored_from(node: Node, key: str) -> bool:
@@ -72,6 +74,12 @@ def _stored_from(node: Node, key: str) -> bool:
             node = node.args[0]
             continue
         return False
+
+
+#: id of a running maximum -> what it covered after the last call of any graph with it
+#: (dropped when the tensor dies; the prefill graph's cache is trusted by the decode graph's
+#: first call)
+_TRUSTED: dict[int, _Trusted] = {}
 
 
 @dataclass(frozen=True)
@@ -110,8 +118,9 @@ class KeyNormTrust:
         measured = 0
         for entry in self.entries:
             running = getattr(states[entry.site], entry.state)
+            trusted = _TRUSTED.get(id(running))
             caches = [(args[i], r) for i, r in entry.past]
-            if all(_trusted(c, running) for c, _ in caches):
+            if trusted is not None and all(trusted.covers(c, running) for c, _ in caches):
                 continue
             with torch.no_grad():
                 norms = torch.zeros_like(running)
@@ -129,8 +138,11 @@ class KeyNormTrust:
         outputs = list(out) if isinstance(out, (tuple, list)) else [out]
         for entry in self.entries:
             running = getattr(states[entry.site], entry.state)
-            for i, _ in entry.past:
-                _register(args[i], running)
-            for i in entry.outputs:
-                if i < len(outputs):
-                    _register(outputs[i], running)
+            tensors = [args[i] for i, _ in entry.past] + \
+                [outputs[i] for i in entry.outputs if i < len(outputs)]
+            key = id(running)
+            if key not in _TRUSTED:     # the record leaves with its running maximum
+                weakref.finalize(running, _TRUSTED.pop, key, None)
+            _TRUSTED[key] = _Trusted(weakref.ref(running), _version(running), [
+                (weakref.ref(t), _version(t)) for t in tensors
+                if isinstance(t, torch.Tensor) and _version(t) is not None])
