@@ -13,7 +13,7 @@ is listed with the reason) and run on random token ids (B=1, T=32). Per family:
   ``find_attention`` runs (whose own capture is not repeated, to keep the sweep in 20 min;
   ``tests/test_bench_families.py`` checks the two agree);
 * **silent misses**: observed calls per forward minus sites (an attention no site accounts for);
-* **bounds**: ``site.logit_bound()`` against the observed ``max|S|`` (SDPA spy, when calls and
+* **bounds**: ``site_logit_bound(site)`` against the observed ``max|S|`` (SDPA spy, when calls and
   sites pair one to one in execution order), and the audit's ``max_scaled·scale`` against its
   bound (``wrap(audit=True)``, both inputs in one batch of 2), on the random ids and on an
   adversarial input: the token whose input embedding has the largest norm, repeated over the
@@ -144,13 +144,15 @@ def adversarial_inputs(model, inputs: dict) -> dict:
 def _spy_ratios(calls: list[Call], sites: list) -> list[float]:
     """observed max|S| / logit_bound per head of the supported sites, when calls and sites
     pair one to one in execution order (else nothing to pair)."""
+    from geoscale_fx.heads import site_logit_bound
+
     if len(calls) != len(sites):
         return []
     ratios = []
     for call, site in zip(calls, sites):
         if call.amax is None or not site.supported:
             continue
-        bound = site.logit_bound().double().reshape(-1)
+        bound = site_logit_bound(site).double().reshape(-1)
         amax = call.amax if call.amax.numel() == bound.numel() else call.amax.max().reshape(1)
         bound = bound if amax.numel() == bound.numel() else bound.max().reshape(1)
         ratios += (amax / bound).tolist()

@@ -19,6 +19,7 @@ import torch
 from tabulate import tabulate
 
 import geoscale_fx
+from geoscale_fx.heads import site_logit_bound
 
 BOUNDS = ("interaction", "relative", "norm_product")
 
@@ -41,7 +42,7 @@ def measure(family: str, seq_len: int, profile: str) -> list[dict]:
         ratios, seconds = [], []
         for site, obs in zip(sites, observed):
             start = time.perf_counter()
-            bound = site.logit_bound(rope_bound=name)
+            bound = site_logit_bound(site, rope_bound=name)
             seconds.append(time.perf_counter() - start)
             ratios.extend((obs / bound).tolist())
         rows.append({"model": lm.name, "L": seq_len, "bound": name,

@@ -49,7 +49,7 @@ _LAZY = {
     "attention_scales": ("geoscale_fx.serving_scales", "attention_scales"),
     "restore_": ("geoscale_fx.conversion", "restore_"),
     "plain_state_dict": ("geoscale_fx.conversion", "plain_state_dict"),
-    "AttentionSite": ("geoscale_fx.passes.site_model", "AttentionSite"),
+    "AttentionSite": ("geoscale_fx.site_model", "AttentionSite"),
 }
 
 __all__ = sorted(_LAZY)

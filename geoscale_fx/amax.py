@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from geoscale_fx import heads, spectral
-from geoscale_fx.passes.site_model import AttentionSite, Side
+from geoscale_fx.site_model import AttentionSite, Side
 
 __all__ = ["side_amax", "site_amax_bounds"]
 
@@ -115,7 +115,9 @@ def site_amax_bounds(site: AttentionSite, resolve=None, roles: str = "qkv"
     so the backend evaluates it inside the compiled graph on the weight nodes
     (``geoscale_fx.qkv_scaling``). A role without a bound raises a ``ValueError`` naming the
     site and the reason (values of a post-norm block read the raw residual stream)."""
-    resolve = site._resolve if resolve is None else resolve
+    if resolve is None:
+        site.require_values()
+        resolve = site._resolve
     out = {}
     for role in "qk":
         if role in roles:

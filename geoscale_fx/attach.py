@@ -24,15 +24,13 @@ from torch import nn
 
 from geoscale_fx.compiler import GeoscaleBackend, ParameterNames
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.state import GeoscaleState
+from geoscale_fx.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "attach_state", "detach_state",
            "compile_with_geoscale", "compile_module", "disable_hf_auto_compile",
            "enable_hf_auto_compile", "geoscale_call"]
 
 log = logging.getLogger("geoscale_fx")
-
-STATE_ATTR = "geoscale_state"
 
 
 def attach_state(model: nn.Module) -> GeoscaleState:

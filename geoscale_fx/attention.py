@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from geoscale_fx.fp8 import fake_quantize_logits, quantize_dequantize
 
@@ -56,8 +57,6 @@ def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optiona
     A block mask is always passed (causal, or full): without one, Inductor's CPU kernel
     allocates O(L²) scratch memory (measured on torch 2.13: 137 MB vs 2 MB at L = 4096).
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     divisor = _realized(divisor) if divisor is not None else None
     attn_mask = _realized(attn_mask) if attn_mask is not None else None
     read_mask = _mask_reader(attn_mask) if attn_mask is not None else None

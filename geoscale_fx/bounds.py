@@ -287,10 +287,3 @@ def rank_aware_improvement(model_dim: int, head_dim: int, gamma: float) -> float
         raise ValueError(f"gamma must be > 1, got {gamma!r}")
     return d / (gamma * dh)
 
-
-if __name__ == "__main__":  # python -m geoscale_fx.bounds [--d ... ]
-    import sys
-
-    from geoscale_fx.cli import main
-
-    sys.exit(main(["bounds", *sys.argv[1:]]))

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from geoscale_fx.wrapper import GeoscaleModule, wrap
 
@@ -44,8 +45,6 @@ def calibrate(model: nn.Module, batches: Iterable[Any], *, progress: bool = True
     fewer batches than ``calib_steps``, α is frozen from the ratios collected (and a warning
     says so). ``model`` may be an already wrapped model with ``alpha="auto"``.
     """
-    from tqdm.auto import tqdm
-
     total = len(batches) if hasattr(batches, "__len__") else None
     if isinstance(model, GeoscaleModule):
         if options:

@@ -7,7 +7,8 @@ Example::
     >>> sites = geoscale_fx.find_attention(layer, torch.randn(2, 10, 64))
     >>> [(s.name, s.kind, s.n_q_heads, s.supported) for s in sites]
     [('self_attn', 'mha', 4, True)]
-    >>> sites[0].logit_bound().shape
+    >>> from geoscale_fx.heads import site_logit_bound
+    >>> site_logit_bound(sites[0]).shape
     torch.Size([4])
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch.fx import GraphModule
 
 from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.site_model import AttentionSite
+from geoscale_fx.site_model import AttentionSite
 
 __all__ = ["CapturedGraph", "capture_graphs", "find_attention"]
 
@@ -57,8 +58,9 @@ def find_attention(model: torch.nn.Module | Any, *args, **kwargs) -> list[Attent
     """Every attention site in ``model``'s traced forward, in execution order.
 
     ``args``/``kwargs`` are passed to the model as in a normal call. Each site says whether
-    it could be analysed (``supported``) and why not (``reason``); supported sites answer
-    ``head_weights()`` and ``logit_bound()`` from the model's current parameters. Use
+    it could be analysed (``supported``) and why not (``reason``); supported sites are bound
+    to the model's current parameters (``heads.site_head_weights(site)``,
+    ``heads.site_logit_bound(site)``, ``amax.site_amax_bounds(site)``). Use
     ``site.with_rope_bound("interaction")`` for the paper's (uncertified) RoPE bound.
     """
     sites: list[AttentionSite] = []

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from geoscale_fx.state import GeoscaleState
+from geoscale_fx.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["load_scaling_state"]
 
@@ -35,8 +35,6 @@ log = logging.getLogger("geoscale_fx")
 
 
 def _state_of(model: nn.Module) -> tuple[str, GeoscaleState]:
-    from geoscale_fx.wrapper import STATE_ATTR
-
     inner = getattr(model, "model", model)      # a GeoscaleModule holds the model
     state = getattr(inner, STATE_ATTR, None)
     if not isinstance(state, GeoscaleState):

@@ -49,7 +49,7 @@ from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, upstream
-from geoscale_fx.passes.site_model import AttentionSite
+from geoscale_fx.site_model import AttentionSite
 
 __all__ = ["checkpoint_layer_scales", "meta_model"]
 

@@ -9,12 +9,14 @@ import sys
 
 from tabulate import tabulate
 
+from geoscale_fx import inspection
+from geoscale_fx.export import export_kv_scales
+from geoscale_fx.paper_models import PAPER_MODELS, calibration_row
+
 __all__ = ["main"]
 
 
 def _bounds_table(args: argparse.Namespace) -> str:
-    from geoscale_fx.paper_models import PAPER_MODELS, calibration_row
-
     custom = [args.d, args.dh, args.layers, args.heads]
     if any(v is not None for v in custom):
         if any(v is None for v in custom):
@@ -44,9 +46,7 @@ def _load_for_export(args: argparse.Namespace):
     """``(model, example inputs)`` of what ``geoscale inspect`` loads
     (``package.module:function``, e.g. ``models_zoo.inspection:hf-llama`` from a checkout);
     a saved directory is never loaded (see ``_export_kv_scales``)."""
-    from geoscale_fx.inspection import load_model
-
-    loaded = load_model(args.model, seq_len=args.seq_len)
+    loaded = inspection.load_model(args.model, seq_len=args.seq_len)
     return loaded.model, loaded.inputs
 
 
@@ -63,8 +63,6 @@ def _export_table(export) -> str:
 
 
 def _export_kv_scales(args: argparse.Namespace) -> int:
-    from geoscale_fx.export import export_kv_scales
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     options = dict(strategy=args.strategy, include_q=not args.no_q)
     try:
@@ -123,9 +121,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["inspect"]:
-        from geoscale_fx.inspection import main as inspect_main
-
-        return inspect_main(argv[1:])
+        return inspection.main(argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "export-kv-scales":
         return _export_kv_scales(args)

@@ -31,6 +31,7 @@ import logging
 import os
 from dataclasses import fields
 
+import torch._dynamo
 from torch import nn
 
 from geoscale_fx.attach import (
@@ -158,8 +159,6 @@ def _again(model: nn.Module, existing: GeoscaleCall, opts: GeoscaleOptions) -> n
 
 
 def _check_convertible(model: nn.Module, name: str) -> None:
-    import torch._dynamo
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"geoscale_fx.apply_: expected an nn.Module, got {name}")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):

@@ -16,12 +16,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from geoscale_fx import bounds, spectral
-from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Modifier, Side, Term
+from geoscale_fx import bounds, rope, spectral
+from geoscale_fx.site_model import (
+    ROPE_BOUNDS, AttentionSite, HeadWeights, Modifier, Side, Term,
+)
 
 __all__ = ["gather_heads", "gather_bias", "fold_channel_ops", "side_heads", "key_head_norms",
-           "term_head_weights", "sigma_bound", "norm_product_bound", "term_logit_bound",
-           "apply_modifiers", "site_logit_bound"]
+           "term_head_weights", "site_term_weights", "site_head_weights", "sigma_bound",
+           "norm_product_bound", "term_logit_bound", "apply_modifiers", "site_logit_bound"]
 
 Resolve = Callable[[str], torch.Tensor]
 
@@ -179,6 +181,21 @@ def term_head_weights(term: Term, resolve: Resolve) -> HeadWeights:
     return HeadWeights(a_q, c_q, a_k, c_k)
 
 
+def site_term_weights(site: AttentionSite) -> list[HeadWeights]:
+    """``HeadWeights`` of every term of ``site``, from its current parameter values."""
+    site.require_values()
+    return [term_head_weights(t, site._resolve) for t in site.terms]
+
+
+def site_head_weights(site: AttentionSite) -> HeadWeights:
+    """``(A_q, c_q, A_k, c_k)`` of a one-term site (gain/offset folded in)."""
+    site.require_values()
+    if len(site.terms) != 1:
+        raise ValueError(f"attention site {site.name!r} has {len(site.terms)} terms; "
+                         "use heads.site_term_weights(site)")
+    return site_term_weights(site)[0]
+
+
 # --------------------------------------------------------------------------------------
 # One term
 # --------------------------------------------------------------------------------------
@@ -233,8 +250,6 @@ def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
                                   spectral.head_spectral_norms(head_weights.a_k),
                                   site.softmax_scale)
     if term.rope and rope_bound == "relative":
-        from geoscale_fx import rope
-
         return rope.relative_logit_bound(site, term, head_weights)
     sigma = spectral.per_head_sigma_exact(head_weights.a_q, head_weights.a_k)
     return sigma_bound(term, head_weights, sigma, site.softmax_scale)
@@ -265,10 +280,17 @@ def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
     return bound
 
 
-def site_logit_bound(site: AttentionSite, term_weights: Sequence[HeadWeights],
-                     rope_bound: Optional[str] = None) -> torch.Tensor:
-    """Per-head bound on what the softmax receives, ``(n_q,)`` float64 (exact routes)."""
+def site_logit_bound(site: AttentionSite, rope_bound: Optional[str] = None,
+                     term_weights: Optional[Sequence[HeadWeights]] = None) -> torch.Tensor:
+    """Per-head bound on what the softmax receives, ``(n_q,)`` float64 (exact routes), from
+    the site's current parameter values (``term_weights``: already computed ones).
+    ``rope_bound`` overrides the site's (``site_model.ROPE_BOUNDS``)."""
     rope_bound = rope_bound or site.rope_bound
+    if rope_bound not in ROPE_BOUNDS:
+        raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
+    site.require_values()
+    if term_weights is None:
+        term_weights = site_term_weights(site)
     total = sum(term_logit_bound(site, term, hw, rope_bound)
                 for term, hw in zip(site.terms, term_weights))
     return apply_modifiers(total, site.modifiers, site._resolve)

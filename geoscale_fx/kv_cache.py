@@ -3,7 +3,7 @@
 Serving engines keep keys and values in FP8 with ``k_scale``/``v_scale`` taken from
 calibration data, the first batch, or a default of 1.0. Here the scale of each kv head is the
 certified bound on ``max |entry|`` of the keys (values) that reach that layer's attention
-(``AttentionSite.amax_bounds``, from the current weights alone) divided by R_max: no cached
+(``amax.site_amax_bounds``, from the current weights alone) divided by R_max: no cached
 entry can saturate, whatever the input, and the scales are right on the first token after
 every weight update — never from observed activations or calibration data.
 
@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from geoscale_fx import nvfp4
+from geoscale_fx import amax, nvfp4
 from geoscale_fx.bounds import fp8_max, round_up_f32
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.fp8 import KV_CACHE_FORMATS, fp8_dtype, kv_format
@@ -249,7 +249,7 @@ class WeightKVScales:
     def _evaluate(self) -> list[LayerScales]:
         out = []
         for position, site in enumerate(self._sites):
-            bounds = site.amax_bounds()
+            bounds = amax.site_amax_bounds(site)
             if not all(bool(torch.isfinite(b).all()) for b in bounds.values()):
                 raise ValueError(f"kv_cache: attention {site.name!r}: its q/k/v bounds are "
                                  "not finite (finite parameters, too large for float64); no "

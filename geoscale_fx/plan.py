@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.qkv_attention import fa3_available
 from geoscale_fx.qkv_scaling import OperandScaling
 from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
+from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import StateSpec
 
 __all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant", "reuse_variant",

@@ -44,9 +44,9 @@ import torch
 from geoscale_fx import amax, bounds
 from geoscale_fx.bounds import fp8_max, round_up_f32
 from geoscale_fx.fp8 import overflowed
-from geoscale_fx.passes.site_model import AttentionSite
 from geoscale_fx.qkv_attention import group_descale, operand_scaled_max
 from geoscale_fx.scaling import NON_FINITE_TAG, ScalingPolicy
+from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import StateSpec
 
 __all__ = ["OperandScaling", "OPERANDS", "Read"]

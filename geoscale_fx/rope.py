@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx.passes.site_model import AttentionSite, HeadWeights, Term
+from geoscale_fx.site_model import AttentionSite, HeadWeights, Term
 
 __all__ = ["rotary_frequencies", "relative_rotations", "relative_logit_bound"]
 

@@ -23,7 +23,7 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.estimators import Estimator, make_estimator
 from geoscale_fx.fp8 import overflowed
-from geoscale_fx.passes.site_model import AttentionSite
+from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import StateSpec
 
 __all__ = ["ScalingPolicy", "GeometryScaling", "DelayedScaling", "CurrentScaling",

@@ -7,7 +7,7 @@ every sync: scales calibrated on the first checkpoint saturate as soon as an upd
 
     s = max_h B_h / R_max  (strategy="tensor", shape (1,))    s_h = B_h / R_max  ("head")
 
-with ``B_h`` the certified bound on ``max |entry|`` of head ``h`` (``AttentionSite.amax_bounds``,
+with ``B_h`` the certified bound on ``max |entry|`` of head ``h`` (``amax.site_amax_bounds``,
 float64) and the float32 scale rounded up, keyed by the checkpoint names engines load
 (``model.layers.3.self_attn.k_scale``): the tensors ``export_kv_scales`` writes, bit for bit
 (same ``WeightKVScales`` bounds, same ``export.scale_tensors``).

@@ -19,9 +19,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["StateSpec", "SiteState", "GeoscaleState", "site_key"]
+__all__ = ["STATE_ATTR", "StateSpec", "SiteState", "GeoscaleState", "site_key"]
 
 log = logging.getLogger("geoscale_fx")
+
+#: The submodule name under which a converted model holds its ``GeoscaleState`` (so that
+#: ``model.state_dict()`` carries it as ``geoscale_state.*``).
+STATE_ATTR = "geoscale_state"
 
 
 @dataclass(frozen=True)

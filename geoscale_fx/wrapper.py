@@ -22,6 +22,7 @@ from geoscale_fx.attach import (
 )
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.kv_cache import KVCacheManager
+from geoscale_fx.reporting import report
 from geoscale_fx.state import GeoscaleState
 
 __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
@@ -119,8 +120,6 @@ class GeoscaleModule(nn.Module):
         return getattr(self.model, STATE_ATTR)
 
     def report(self, per_head: bool = False):
-        from geoscale_fx.reporting import report
-
         return report(self, per_head=per_head)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.fx import Interpreter
 
 from geoscale_fx.capture import capture_graphs
+from geoscale_fx.heads import site_head_weights, site_logit_bound, site_term_weights
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import arg, matmul_operands, op_of
 
@@ -57,7 +58,7 @@ def normalized_input(gm, values, projection) -> torch.Tensor:
 
 def recomputed(site, side, x_hat) -> torch.Tensor:
     """(..., n_heads, d_h) from head_weights() on x̂."""
-    hw = site.head_weights()
+    hw = site_head_weights(site)
     a, c = (hw.a_q, hw.c_q) if side == "q" else (hw.a_k, hw.c_k)
     out = torch.einsum("...d,ndj->...nj", x_hat.to(a.dtype), a)
     return out + c if c is not None else out
@@ -155,7 +156,7 @@ def adversarial(model, steps=25, batch=2, seq=12, d=64):
     graphs = capture_graphs(model, inputs_embeds=torch.randn(batch, seq, d))
     graph = graphs[0]
     sites = analyze_graph(graph.gm, graph.example_inputs)
-    bounds = [s.logit_bound() for s in sites]
+    bounds = [site_logit_bound(s) for s in sites]
     pos = [i for i, n in enumerate(graph.gm.graph.nodes) if n.op == "placeholder"
            and "inputs_embeds" in n.name]
     embeds = torch.randn(batch, seq, d, requires_grad=True)
@@ -180,7 +181,7 @@ def _side_norms(gm, values, site, side_name) -> torch.Tensor:
     """Σ_t ‖side_t,h(m)‖² over the site's terms, recomputed from each term's own source and
     head weights: (B, n_heads, L)."""
     total = None
-    for t, (term, hw) in enumerate(zip(site.terms, site.term_weights())):
+    for t, (term, hw) in enumerate(zip(site.terms, site_term_weights(site))):
         side = term.q if side_name == "q" else term.k
         a, c = (hw.a_q, hw.c_q) if side_name == "q" else (hw.a_k, hw.c_k)
         x_hat = normalized_input(gm, values, side).double()

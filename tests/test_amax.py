@@ -1,4 +1,4 @@
-"""``AttentionSite.amax_bounds()``: certified per-head bounds on the entries of q, k and v,
+"""``amax.site_amax_bounds(site)``: certified per-head bounds on the entries of q, k and v,
 checked against the tensors the attention really receives, under inputs optimized to
 maximize them (gains ×4, biases perturbed), on today's attention forms."""
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes.analyze import analyze_graph
 from tests import analysis_checks as checks
@@ -61,8 +62,8 @@ def test_amax_bounds_hold_against_optimized_inputs(family, impl, capsys):
     for site in post_norm:
         assert "no normalization" in site.value_reason
         with pytest.raises(ValueError, match="values could not be traced"):
-            site.amax_bounds()
-    bounds = [s.amax_bounds("qk" if s.value is None else "qkv") for s in sites]
+            site_amax_bounds(site)
+    bounds = [site_amax_bounds(s, roles="qk" if s.value is None else "qkv") for s in sites]
     pos = [i for i, n in enumerate(graph.gm.graph.nodes) if n.op == "placeholder"
            and "inputs_embeds" in n.name][0]
     embeds = torch.randn(2, 12, 64, requires_grad=True)

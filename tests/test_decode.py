@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters
 
 import geoscale_fx
 from geoscale_fx.bounds import fp8_max
+from geoscale_fx.heads import site_logit_bound
 from geoscale_fx.runtime import GraphRuntime
 from models_zoo.nanogpt import GPT, GPTConfig
 from tests.hf_models import build_hf
@@ -303,7 +304,7 @@ def test_a_foreign_cache_with_inflated_keys_is_never_under_bounded(key, cache):
     model = _model(key)
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(7))
     inputs = {"idx": ids} if isinstance(model, GPT) else {"input_ids": ids}
-    weight_bounds = sorted((s.name, float(s.logit_bound().max()))
+    weight_bounds = sorted((s.name, float(site_logit_bound(s).max()))
                            for s in geoscale_fx.find_attention(model, **inputs) if s.supported)
     kv = _foreign_cache(model, cache, ids)
     wrapped = geoscale_fx.wrap(model, audit=True, estimator="exact", compiler=COMPILER)

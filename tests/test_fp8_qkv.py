@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 import geoscale_fx
 from geoscale_fx import bounds
+from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.bounds import round_up_f32
 from geoscale_fx.capture import capture_graphs, find_attention
 from geoscale_fx.config import GeoscaleOptions
@@ -467,7 +468,7 @@ def _dequantized(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _weight_k_bounds(model, ids) -> dict:
     """Per site name: the model's own certified ``max |k|`` per kv head (prefill trace)."""
-    return {s.name: s.amax_bounds()["k"] for s in find_attention(model, input_ids=ids)}
+    return {s.name: site_amax_bounds(s)["k"] for s in find_attention(model, input_ids=ids)}
 
 
 def _per_kv(record, name: str) -> torch.Tensor:

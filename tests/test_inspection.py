@@ -1,16 +1,14 @@
 """``geoscale inspect``: a saved model directory (weights, bounds), its config.json alone (meta
 device, no weights), ``--model-type`` (a shrunk default config), ``package.module:function``,
-and the installed library never importing the repository's tools.
+(the library never importing the repository's tools: ``tests/test_layering.py``).
 
 The σ column is checked against torch.linalg on the explicit per-head matrices of the saved
 weights, and the meta run against the weighted run, row by row.
 """
 from __future__ import annotations
 
-import ast
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -236,43 +234,3 @@ def test_zoo_names_from_a_checkout(capsys):
     assert len(rows) == 4 and {r["heads q/kv"] for r in rows} == {"8/1"}
     assert all(math.isfinite(float(r["bound"])) for r in rows)
 
-
-# --- the installed library never imports the repository's tools ---------------------------
-
-_REPOSITORY_TOOLS = {"models_zoo", "bench"}
-
-
-def _imported_top_level(source: str) -> set[str]:
-    """Top-level packages a module imports: import statements, and ``importlib.import_module``
-    / ``__import__`` of a literal name."""
-    names = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Call) and node.args \
-                and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str) \
-                and getattr(node.func, "attr", getattr(node.func, "id", None)) \
-                in ("import_module", "__import__"):
-            names.add(node.args[0].value.split(".")[0])
-    return names
-
-
-def test_the_import_scan_sees_every_form():
-    source = ("import models_zoo\nfrom bench.runner import run\nimport os, bench.lms\n"
-              "def f():\n    import importlib\n    importlib.import_module('models_zoo.x')\n"
-              "    __import__('bench')\n")
-    assert _imported_top_level(source) == {"models_zoo", "bench", "os", "importlib"}
-    assert _imported_top_level("from . import capture\nx = 'models_zoo'\n") == set()
-
-
-def test_library_never_imports_models_zoo_or_bench():
-    package = Path(geoscale_fx.__file__).parent
-    files = sorted(package.rglob("*.py"))
-    assert len(files) > 20
-    offenders = {str(f.relative_to(package)): sorted(_imported_top_level(f.read_text())
-                                                     & _REPOSITORY_TOOLS)
-                 for f in files}
-    assert {f: names for f, names in offenders.items() if names} == {}

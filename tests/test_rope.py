@@ -4,6 +4,7 @@ import torch
 
 import geoscale_fx
 from geoscale_fx import rope
+from geoscale_fx.heads import site_head_weights, site_logit_bound
 from tests.attention_variants import D, DH, VARIANTS, _rope_tables, _rotate_every_two, _rotate_half
 
 L = 10
@@ -16,7 +17,7 @@ def _brute_force(site, turn, interleaved):
     g = (torch.diag_embed(cos) + swap @ torch.diag_embed(sin)).double()    # (L, d_h, d_h)
     pairs = [(m, n) for m in range(L) for n in range(m + 1 if site.is_causal else L)]
     t = torch.stack([g[m] @ g[n].T for m, n in pairs])                     # (P, d_h, d_h)
-    a_q, c_q, a_k, c_k = site.head_weights()
+    a_q, c_q, a_k, c_k = site_head_weights(site)
     group = a_q.shape[0] // a_k.shape[0]
     aq = a_q.double()[:, None]                                             # (n, 1, d, d_h)
     ak = a_k.double().repeat_interleave(group, 0)[:, None]
@@ -38,12 +39,19 @@ def _brute_force(site, turn, interleaved):
 def test_relative_bound_is_the_exact_max_over_position_pairs(name, turn, interleaved):
     model = VARIANTS[name][0]().eval()
     site, = geoscale_fx.find_attention(model, torch.randn(2, L, D))
-    relative = site.logit_bound(rope_bound="relative")
+    relative = site_logit_bound(site, rope_bound="relative")
     torch.testing.assert_close(relative, _brute_force(site, turn, interleaved), rtol=1e-6,
                                atol=1e-9)
-    assert (relative <= site.logit_bound(rope_bound="norm_product") * (1 + 1e-9)).all()
-    assert (relative >= site.logit_bound(rope_bound="interaction") * (1 - 1e-9)).all()
+    assert (relative <= site_logit_bound(site, rope_bound="norm_product") * (1 + 1e-9)).all()
+    assert (relative >= site_logit_bound(site, rope_bound="interaction") * (1 - 1e-9)).all()
 
+
+
+def test_an_unknown_rope_bound_is_a_value_error_naming_it():
+    model = VARIANTS["rope_interleaved"][0]().eval()
+    site, = geoscale_fx.find_attention(model, torch.randn(2, L, D))
+    with pytest.raises(ValueError, match="rope_bound must be one of .* got 'exact'"):
+        site_logit_bound(site, rope_bound="exact")
 
 def test_relative_bound_with_biases_matches_brute_force():
     from tests.attention_variants import Block
@@ -53,7 +61,7 @@ def test_relative_bound_with_biases_matches_brute_force():
         model.q.bias.normal_(0, 2.0)
         model.k.bias.normal_(0, 2.0)
     site, = geoscale_fx.find_attention(model, torch.randn(2, L, D))
-    torch.testing.assert_close(site.logit_bound(rope_bound="relative"),
+    torch.testing.assert_close(site_logit_bound(site, rope_bound="relative"),
                                _brute_force(site, _rotate_half, False), rtol=1e-6, atol=1e-9)
 
 

@@ -14,11 +14,11 @@ from geoscale_fx.estimators import (
     ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, make_estimator,
 )
 from geoscale_fx.heads import apply_modifiers
-from geoscale_fx.passes.site_model import (
-    AttentionSite, HeadWeights, Modifier, Rotary, Side, Source, Term,
-)
 from geoscale_fx.scaling import (
     CurrentScaling, DelayedScaling, GeometryScaling, NoScaling, make_policy,
+)
+from geoscale_fx.site_model import (
+    AttentionSite, HeadWeights, Modifier, Rotary, Side, Source, Term,
 )
 
 D, DH, NQ, NKV = 24, 6, 4, 2

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.cached_keys import key_sources
 from geoscale_fx.passes.dtensor import dtensor_of, localize_term, to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
@@ -26,11 +27,10 @@ from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, OperandTrace, ProjectionOp, head_rows, parameter_names,
     trace_normalized_input, trace_operand,
 )
-from geoscale_fx.passes.site_model import (
+from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported
+from geoscale_fx.site_model import (
     ROPE_BOUNDS, AttentionSite, Modifier, Side, Source, Term,
 )
-from geoscale_fx.passes import broadcast as bc
-from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported
 
 __all__ = ["analyze_graph"]
 
@@ -278,10 +278,17 @@ def _value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
     checker = AngleChecker(evaluator)
     try:
         trace = trace_operand(value, kinds, checker, "value", order)
-        if len(trace.projections) > 1:
-            raise Unsupported(f"the value `{value.name}` comes from several projections")
         rows = head_rows(trace.track, value, "value")
-        return {"value": _side_of(trace, rows, checker, kinds)}
+        if len(trace.projections) == 1:
+            return {"value": _side_of(trace, rows, checker, kinds)}
+        # several projections: a map added to the values' projection (LoRA on v) folds
+        # into its weight as for q and k; anything else is not one side
+        channels = list(range(trace.track.shape[-1]))
+        sides = _term_side(cand, "value", trace, trace.track, rows, channels, checker, kinds)
+        if len(sides) != 1:
+            raise Unsupported(f"the value `{value.name}` comes from several inputs (an "
+                              "adapter with dropout): no single side bounds it")
+        return {"value": replace(sides[0], position_gain=1.0)}
     except Unsupported as exc:
         return {"value_reason": str(exc)}
 

@@ -34,8 +34,8 @@ import torch
 from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
-from geoscale_fx.passes.site_model import Side
-from geoscale_fx.passes.tracking import Unsupported
+from geoscale_fx.passes.track import Unsupported
+from geoscale_fx.site_model import Side
 
 __all__ = ["HeadShard", "dtensor_of", "local_region", "replay_dtensor",
            "token_vector_split", "localize_term", "to_local"]

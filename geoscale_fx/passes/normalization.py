@@ -15,6 +15,7 @@ from typing import Optional
 
 from torch.fx import Node
 
+from geoscale_fx.passes.dtensor import token_vector_split
 from geoscale_fx.passes.graph_ops import (
     DTENSOR_OPS, VALUE_CASTS, ValueKinds, arg, op_of, scalar_constant, shape_of,
 )
@@ -198,8 +199,6 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
     if op in VALUE_CASTS:
         return node.args[0], radius_factor
     if op in DTENSOR_OPS:  # tensor parallel
-        from geoscale_fx.passes.dtensor import token_vector_split
-
         reason = token_vector_split(node)
         if reason:
             fail(f": {reason}")

@@ -31,8 +31,8 @@ from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, arg, op_of, scalar_constant, shape_of
-from geoscale_fx.passes.site_model import Rotary
 from geoscale_fx.passes.track import Track, Unsupported
+from geoscale_fx.site_model import Rotary
 
 __all__ = ["RotaryTerm", "RotaryHalf", "ComplexValue", "AngleChecker", "trig_origin",
            "table_term", "combine", "join_halves", "to_complex", "complex_mul",

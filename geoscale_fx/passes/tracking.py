@@ -21,6 +21,7 @@ from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes import rotary
+from geoscale_fx.passes.dtensor import replay_dtensor
 from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, arg, example_value, op_of, scalar_constant, shape_of,
     static_int,
@@ -227,8 +228,6 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
     if op in ("mul", "div"):
         return _replay_scale(node, tracked, env, op, checker)
     if op in ("from_local", "to_local", "redistribute", "full_tensor"):  # tensor parallel
-        from geoscale_fx.passes.dtensor import replay_dtensor
-
         return replay_dtensor(node, op, value)
     if op in DATA_MOVEMENT:
         return _apply(node, tracked, env, op)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import geoscale_fx
+from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import capture_graphs
+from geoscale_fx.heads import site_head_weights, site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from tests import analysis_checks as checks
 from tests.attention_variants import (
@@ -77,7 +79,7 @@ def test_real_minilm_post_ln_with_biases(minilm):
         assert s.supported, s.reason
         assert (s.n_q_heads, s.n_kv_heads, s.head_dim, s.model_dim) == (12, 12, 32, 384)
         assert s.norm == "layernorm" and not s.rope
-        hw = s.head_weights()
+        hw = site_head_weights(s)
         assert hw.c_q is not None and hw.c_k is not None  # q/k biases + LN offset folded
     # layer 0 reads the embeddings' LayerNorm, later layers the previous block's output LN
     assert "embeddings" in sites[0].q.source.channel_ops[0][1]
@@ -199,8 +201,9 @@ def test_unanalysable_sites_are_reported_with_a_reason_naming_the_node(model, ar
     site, = geoscale_fx.find_attention(model(), *args)
     assert not site.supported and not site.certified
     assert match in site.reason and "`" in site.reason
-    with pytest.raises(ValueError, match="not supported"):
-        site.logit_bound()
+    for numeric in (site_logit_bound, site_head_weights, site_amax_bounds):
+        with pytest.raises(ValueError, match="not supported"):
+            numeric(site)
 
 
 def test_lora_query_is_bounded_on_its_effective_weight():
@@ -211,7 +214,7 @@ def test_lora_query_is_bounded_on_its_effective_weight():
     effective = model.block.q.weight + model.lora_b.weight @ model.lora_a.weight   # (D, D)
     gain = model.block.norm.weight
     expected = (gain[:, None] * effective.t()).reshape(D, H, DH).permute(1, 0, 2)
-    torch.testing.assert_close(site.head_weights().a_q, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(site_head_weights(site).a_q, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_keys_passed_in_are_bounded_by_their_actual_norms():
@@ -251,7 +254,7 @@ def _all_bounds_hold(found, batch):
     for graph, sites, values in found:
         for s in sites:
             observed = checks.observed_logits(graph.gm, values, s, batch)
-            bound = s.logit_bound()
+            bound = site_logit_bound(s)
             assert (observed <= bound * (1 + 1e-6)).all(), (s.name, observed, bound)
             ratios.append((observed / bound).max().item())
     return ratios
@@ -299,7 +302,7 @@ def test_rope_bound_options_and_certification():
     assert site.rope and site.certified and site.rope_bound == "norm_product"
     paper = site.with_rope_bound("interaction")
     assert not paper.certified
-    assert (paper.logit_bound() <= site.logit_bound()).all()
+    assert (site_logit_bound(paper) <= site_logit_bound(site)).all()
     with pytest.raises(ValueError, match="rope_bound"):
         site.with_rope_bound("made-up")
 
@@ -348,4 +351,4 @@ def test_meta_device_model_is_analysed_without_weights():
     assert len(sites) == 2 and all(s.supported for s in sites)
     assert (sites[0].n_q_heads, sites[0].head_dim, sites[0].model_dim) == (32, 128, 4096)
     assert sites[0].q.rotary.pairing_verified
-    assert sites[0].logit_bound().device.type == "meta"
+    assert site_logit_bound(sites[0]).device.type == "meta"

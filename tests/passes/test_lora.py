@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import geoscale_fx
+from geoscale_fx.heads import site_head_weights, site_logit_bound
 from tests import analysis_checks as checks
 from tests.hf_models import build_hf
 
@@ -48,12 +49,12 @@ def test_adapter_is_folded_into_the_effective_weight(family, targets, extra):
         assert site.supported and site.certified, site.reason
         assert len(site.terms) == 1 and site.q.low_rank and site.k.low_rank
         assert not ref.q.low_rank
-        for ours, theirs in zip(site.head_weights(), ref.head_weights()):
+        for ours, theirs in zip(site_head_weights(site), site_head_weights(ref)):
             if theirs is None:
                 assert ours is None
             else:
                 torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(site.logit_bound(), ref.logit_bound(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(site_logit_bound(site), site_logit_bound(ref), rtol=1e-6, atol=0)
         assert any("lora_B" in p for p in site.param_names)
 
 
@@ -71,7 +72,7 @@ def test_adapter_dropout_in_training_makes_a_term_per_pair_and_the_bound_holds()
     assert len(site.terms) == 4
     radii = sorted({t.q.radius for t in site.terms})
     assert radii[1] == pytest.approx(radii[0] / 0.7)      # dropout widens the adapter's input
-    bound = site.logit_bound()
+    bound = site_logit_bound(site)
     worst = 0.0
     for _ in range(8):
         values = checks.record(graph.gm, graph.example_inputs)
@@ -98,3 +99,20 @@ def test_training_the_adapter_moves_the_bound_and_never_overflows():
     report = geoscale_fx.report(model)
     assert not report.skipped and all(row["certified"] for row in report.rows)
     assert not torch.equal(bounds[0], bounds[-1])        # the adapter trained, the bound moved
+
+
+def test_an_adapter_on_v_proj_is_folded_into_the_values_bound():
+    """PEFT's default targets include v_proj: the values' amax bound (what an FP8 KV cache
+    and fp8_qkv read) folds the adapter as q and k do (found by the fuzz generator: it used
+    to report "the value comes from several projections" and bound nothing)."""
+    from geoscale_fx.amax import site_amax_bounds
+
+    model = _lora(build_hf("llama-sdpa"), targets=("v_proj",)).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    sites = _sites(model, ids)
+    assert sites and all(s.value is not None for s in sites), [s.value_reason for s in sites]
+    assert all(s.value.low_rank for s in sites)           # W + s·B·A, not W alone
+    merged = copy.deepcopy(model).merge_and_unload()
+    for site, merged_site in zip(sites, _sites(merged, ids)):
+        torch.testing.assert_close(site_amax_bounds(site)["v"],
+                                   site_amax_bounds(merged_site)["v"], rtol=1e-6, atol=1e-9)

@@ -12,8 +12,11 @@ is the sum of the terms' bounds, pushed through the modifiers (``geoscale_fx.hea
 
 Graph nodes are referred to by name (names are unique within a graph and survive
 ``copy.deepcopy`` of the GraphModule), so a site can be matched against the graph the backend
-rewrites. Tensor-valued questions (``head_weights()``, ``logit_bound()``) are answered from the
-current parameter values through a resolver bound at analysis time.
+rewrites. This module is data only (it imports no numerics): tensor-valued questions are
+answered from the current parameter values, through the resolver bound at analysis time, by
+functions of the numerics modules — ``heads.site_term_weights(site)``,
+``heads.site_head_weights(site)``, ``heads.site_logit_bound(site)``,
+``amax.site_amax_bounds(site)``.
 """
 from __future__ import annotations
 
@@ -293,7 +296,7 @@ class AttentionSite:
 
     @property
     def certified(self) -> bool:
-        """Whether :meth:`logit_bound` is a proof (False: it rests on an assumption)."""
+        """Whether ``heads.site_logit_bound(site)`` is a proof (False: an assumption)."""
         return self.supported and not (self.rope and self.rope_bound == "interaction")
 
     @property
@@ -339,42 +342,15 @@ class AttentionSite:
             raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
         return replace(self, rope_bound=rope_bound)
 
-    # ---- tensor answers from the current parameters ---------------------------------------
-    def head_weights(self) -> HeadWeights:
-        """``(A_q, c_q, A_k, c_k)`` of a one-term site (gain/offset folded in)."""
-        self._single_term()
-        return self.term_weights()[0]
-
-    def term_weights(self) -> list[HeadWeights]:
-        """``HeadWeights`` of every term, for the current parameter values."""
-        from geoscale_fx import heads
-
-        self._require_supported()
-        return [heads.term_head_weights(t, self._resolve) for t in self.terms]
-
-    def amax_bounds(self, roles: str = "qkv") -> dict[str, torch.Tensor]:
-        """Certified per-head bounds on ``max |entry|`` of the q, k and v that reach the
-        attention: ``{"q": (n_q,), "k": (n_kv,), "v": (n_kv,)}`` float64, from the current
-        weights (``geoscale_fx.amax``); ``roles="qk"`` for sites whose values have none."""
-        from geoscale_fx import amax
-
-        self._require_supported()
-        return amax.site_amax_bounds(self, roles=roles)
-
-    def logit_bound(self, **kwargs) -> torch.Tensor:
-        """Per-head bound on what the softmax receives (``(n_q,)``, float64), exact."""
-        from geoscale_fx import heads
-
-        self._require_supported()
-        return heads.site_logit_bound(self, self.term_weights(), **kwargs)
-
     def _single_term(self) -> Term:
         if len(self.terms) != 1:
             raise ValueError(f"attention site {self.name!r} has {len(self.terms)} terms; "
                              "use site.terms")
         return self.terms[0]
 
-    def _require_supported(self) -> None:
+    def require_values(self) -> None:
+        """Raise ``ValueError`` unless the site is supported and bound to parameter values
+        (what the numerics — ``heads.site_logit_bound``, ``amax.site_amax_bounds`` — need)."""
         if not self.supported:
             raise ValueError(f"attention site {self.name!r} ({self.node}) is not supported: "
                              f"{self.reason}")

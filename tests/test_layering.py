@@ -1,0 +1,355 @@
+"""The package's import structure: layers with no circle and no upward import.
+
+Read from the source with ``ast`` (nothing is imported): every ``geoscale_fx`` module is
+listed in ``LAYERS``, bottom-up; a module imports only modules of its own layer or below,
+only at the top of its file, and the imports form no cycle. ``if TYPE_CHECKING:`` blocks
+are ignored (they never run). Third-party modules may be imported inside a function only
+when they are optional or missing from some torch builds (``LAZY_THIRD_PARTY``).
+
+Run ``python tests/test_layering.py`` for the module graph's numbers (cycles, imports below
+module level, upward edges).
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "geoscale_fx"
+
+MATH, DATA, NUMERICS, POLICIES, ANALYSIS, RUNTIME, BACKEND, ATTACH, REPORT, ENTRY = range(10)
+LAYER_NAMES = ("math", "plain data", "numerics", "policies and planning", "analysis passes",
+               "rewrite and runtime", "backend", "attachment", "report", "entry points")
+
+#: Every module of the package (package ``__init__``s excepted: see
+#: ``test_package_inits_import_nothing_of_the_package``), by layer, bottom-up.
+LAYERS = {
+    # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
+    "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "paper_models": MATH,
+    # plain data: the site the analysis returns, the options, the state containers
+    "site_model": DATA, "config": DATA, "state": DATA,
+    # per-term numerics on a site, and the attention kernels the rewritten graph calls
+    "heads": NUMERICS, "rope": NUMERICS, "amax": NUMERICS, "estimators": NUMERICS,
+    "distributed": NUMERICS, "attention": NUMERICS, "qkv_attention": NUMERICS,
+    # policies and planning
+    "scaling": POLICIES, "qkv_scaling": POLICIES, "plan": POLICIES,
+    # analysis: FX passes that find and describe sites, and the capture that runs them
+    "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.track": ANALYSIS,
+    "passes.rotary": ANALYSIS, "passes.dtensor": ANALYSIS, "passes.tracking": ANALYSIS,
+    "passes.normalization": ANALYSIS, "passes.provenance": ANALYSIS,
+    "passes.find_sites": ANALYSIS, "passes.cached_keys": ANALYSIS, "passes.evaluate": ANALYSIS,
+    "passes.fp8_cache_reads": ANALYSIS, "passes.analyze": ANALYSIS, "capture": ANALYSIS,
+    # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
+    "passes.rewrite": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
+    "kv_cache": RUNTIME,
+    # the backend
+    "compiler": BACKEND,
+    # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)
+    "attach": ATTACH,
+    # the report reads the backend's records; entry points expose it (GeoscaleModule.report)
+    "reporting": REPORT,
+    # entry points, and the readers only they use
+    "wrapper": ENTRY, "conversion": ENTRY, "blocks": ENTRY, "serialization": ENTRY,
+    "checkpoint": ENTRY, "calibration": ENTRY, "serving_scales": ENTRY, "export": ENTRY,
+    "checkpoint_scales": ENTRY, "checkpoint_reader": ENTRY, "hf_configs": ENTRY,
+    "inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
+}
+
+#: Third-party modules a library function may import when it runs, and why not at the top.
+LAZY_THIRD_PARTY = {
+    "transformers": "optional: the [zoo] and [hf] extras",
+    "safetensors": "optional: the [hf] extra",
+    "torch.distributed": "absent from torch builds without distributed support; only tensor "
+                         "parallelism and DCP checkpoints need it",
+    "torch.nn.attention": "FA3's FP8 entry points exist in some torch builds only (the "
+                          "import is the availability check)",
+    "torch._inductor": "loaded only when compiler='inductor' compiles a graph (slow to import)",
+}
+
+#: Repository tools that the installed library must never import.
+REPOSITORY_TOOLS = {"models_zoo", "bench"}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str        # importing module, relative to the package ("passes.rewrite")
+    target: str        # imported module, absolute ("geoscale_fx.heads", "torch.fx")
+    line: int
+    top: bool          # a statement of the module body itself
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """``{"passes.rewrite": (path, is_package)}``; the package itself is ``""``."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _targets(node: ast.stmt, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """Absolute names of the modules ``node`` imports, each once: ``from geoscale_fx import
+    heads`` imports the module ``geoscale_fx.heads``, ``from geoscale_fx.heads import f, g``
+    the module ``geoscale_fx.heads``."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        anchor = ["geoscale_fx", *module.split(".")] if module else ["geoscale_fx"]
+        anchor = anchor if is_package else anchor[:-1]
+        anchor = anchor[:len(anchor) - node.level + 1]
+        base = ".".join([*anchor, *([node.module] if node.module else [])])
+    return list(dict.fromkeys(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known
+                              else base for alias in node.names))
+
+
+def _imports(module: str, source: str, is_package: bool, known: set[str]) -> list[Import]:
+    """Every import statement of a module's source outside ``if TYPE_CHECKING:``."""
+    found = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.extend(Import(module, t, child.lineno, top)
+                             for t in _targets(child, module, is_package, known))
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                for stmt in child.orelse:
+                    visit(ast.Module(body=[stmt], type_ignores=[]), False)
+            else:
+                visit(child, False)
+
+    visit(ast.parse(source), True)
+    return found
+
+
+def _all_imports() -> list[Import]:
+    modules = _modules()
+    known = {f"geoscale_fx.{m}" if m else "geoscale_fx" for m in modules}
+    return [imp for m, (path, is_package) in modules.items()
+            for imp in _imports(m, path.read_text(), is_package, known)]
+
+
+def _internal(target: str) -> str | None:
+    """The package module ``target`` names (relative), or None for a third-party one."""
+    if target == "geoscale_fx":
+        return ""
+    return target[len("geoscale_fx."):] if target.startswith("geoscale_fx.") else None
+
+
+def _graph(imports: list[Import]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in _modules()}
+    for imp in imports:
+        target = _internal(imp.target)
+        if target is not None and target != imp.module:
+            graph[imp.module].add(target)
+    return graph
+
+
+def strongly_connected_components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative); components of one module without a self-edge are
+    left out."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph[node]:
+                    components.append(sorted(component))
+    return components
+
+
+def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """One cycle through the component's first module: ``[a, b, …, a]``."""
+    start = component[0]
+    members = set(component)
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(graph[path[-1]] & members)
+        if start in nxt and len(path) > 1 or nxt == [start]:
+            return [*path, start]
+        step = next((n for n in nxt if n not in seen), None)
+        if step is None:       # dead end inside the component: back up
+            path.pop()
+            continue
+        path.append(step)
+        seen.add(step)
+
+
+def _nested_internal(imports: list[Import]) -> list[str]:
+    return [f"{imp.module}:{imp.line} imports {imp.target}" for imp in imports
+            if not imp.top and _internal(imp.target) is not None]
+
+
+def _lazy_allowed(target: str) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in LAZY_THIRD_PARTY)
+
+
+def _upward(imports: list[Import]) -> list[str]:
+    edges = set()
+    for imp in imports:
+        target = _internal(imp.target)
+        if target and target != imp.module and imp.module in LAYERS and target in LAYERS \
+                and LAYERS[target] > LAYERS[imp.module]:
+            edges.add(f"{imp.module} ({LAYER_NAMES[LAYERS[imp.module]]}) imports {target} "
+                      f"({LAYER_NAMES[LAYERS[target]]})")
+    return sorted(edges)
+
+
+# ---- the checks ------------------------------------------------------------------------
+
+def test_the_package_has_no_import_cycle():
+    graph = _graph(_all_imports())
+    cycles = [" -> ".join(_cycle_in(c, graph)) for c in strongly_connected_components(graph)]
+    assert cycles == []
+
+
+def test_tarjan_finds_a_cycle_and_names_it():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert strongly_connected_components(graph) == [["a", "b", "c"], ["e"]]
+    assert _cycle_in(["a", "b", "c"], graph) == ["a", "b", "c", "a"]
+    assert strongly_connected_components({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_imports_only_at_module_level():
+    imports = _all_imports()
+    assert _nested_internal(imports) == []
+    lazy = sorted(f"{imp.module}:{imp.line} imports {imp.target}" for imp in imports
+                  if not imp.top and _internal(imp.target) is None
+                  and not _lazy_allowed(imp.target))
+    assert lazy == []
+
+
+def test_every_lazy_third_party_reason_is_still_used():
+    used = {p for imp in _all_imports() if not imp.top for p in LAZY_THIRD_PARTY
+            if imp.target == p or imp.target.startswith(p + ".")}
+    assert used == set(LAZY_THIRD_PARTY)
+
+
+def test_the_import_scan_sees_nested_and_type_checking_imports():
+    known = {"geoscale_fx", "geoscale_fx.heads", "geoscale_fx.passes",
+             "geoscale_fx.passes.graph_ops"}
+    source = ("from typing import TYPE_CHECKING\nfrom geoscale_fx import heads\n"
+              "from . import graph_ops\nif TYPE_CHECKING:\n    import geoscale_fx.cli\n"
+              "else:\n    import os\nclass C:\n    import json\n"
+              "def f():\n    from geoscale_fx.heads import g\n")
+    found = _imports("passes.x", source, False, known)
+    assert [(i.target, i.line, i.top) for i in found] == [
+        ("typing", 1, True), ("geoscale_fx.heads", 2, True),
+        ("geoscale_fx.passes.graph_ops", 3, True), ("os", 7, False), ("json", 9, False),
+        ("geoscale_fx.heads", 11, False)]
+    assert _nested_internal(found) == ["passes.x:11 imports geoscale_fx.heads"]
+
+
+def test_package_inits_import_nothing_of_the_package():
+    """Importing any submodule runs its packages' ``__init__``: they stay lazy, so they add
+    no hidden edge to the graph (``geoscale_fx.__getattr__`` loads the public names)."""
+    inits = [m for m, (_, is_package) in _modules().items() if is_package]
+    assert set(inits) == {"", "passes"}
+    imports = [imp for imp in _all_imports() if imp.module in inits]
+    assert [i for i in imports if _internal(i.target) is not None] == []
+
+
+def test_every_module_has_a_layer():
+    modules = {m for m, (_, is_package) in _modules().items() if not is_package}
+    assert sorted(modules - set(LAYERS)) == []
+    assert sorted(set(LAYERS) - modules) == []
+
+
+def test_no_module_imports_a_higher_layer():
+    assert _upward(_all_imports()) == []
+
+
+def test_a_higher_layer_import_is_reported():
+    imports = [Import("heads", "geoscale_fx.compiler", 1, True),
+               Import("compiler", "geoscale_fx.heads", 2, True)]
+    assert _upward(imports) == ["heads (numerics) imports compiler (backend)"]
+
+
+# ---- the installed library never imports the repository's tools ------------------------
+
+def _imported_top_level(source: str) -> set[str]:
+    """Top-level packages a module imports: import statements, and ``importlib.import_module``
+    / ``__import__`` of a literal name."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and node.args \
+                and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) \
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) \
+                in ("import_module", "__import__"):
+            names.add(node.args[0].value.split(".")[0])
+    return names
+
+
+def test_the_tool_import_scan_sees_every_form():
+    source = ("import models_zoo\nfrom bench.runner import run\nimport os, bench.lms\n"
+              "def f():\n    import importlib\n    importlib.import_module('models_zoo.x')\n"
+              "    __import__('bench')\n")
+    assert _imported_top_level(source) == {"models_zoo", "bench", "os", "importlib"}
+    assert _imported_top_level("from . import capture\nx = 'models_zoo'\n") == set()
+
+
+def test_library_never_imports_models_zoo_or_bench():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 20
+    offenders = {str(f.relative_to(PACKAGE)): sorted(_imported_top_level(f.read_text())
+                                                     & REPOSITORY_TOOLS)
+                 for f in files}
+    assert {f: names for f, names in offenders.items() if names} == {}
+
+
+if __name__ == "__main__":
+    found = _all_imports()
+    module_graph = _graph(found)
+    components = strongly_connected_components(module_graph)
+    print(f"import cycles: {len(components)} (sizes {[len(c) for c in components]})")
+    for c in components:
+        print("  " + " -> ".join(_cycle_in(c, module_graph)), f"(component of {len(c)})")
+    nested = _nested_internal(found)
+    print(f"package imports below module level: {len(nested)}")
+    print("".join(f"  {n}\n" for n in nested), end="")
+    upward = _upward(found)
+    print(f"upward imports: {len(upward)}")
+    print("".join(f"  {u}\n" for u in upward), end="")
+    sys.exit(1 if components or nested or upward else 0)
