@@ -19,6 +19,9 @@ TRANSIENT_METHODS = tuple(METHODS)
 
 
 def wrap_with(model, method: str, *, compiler: str = "aot_eager", **overrides):
-    """``model`` wrapped with a named method (audits on unless overridden)."""
-    options = {**METHODS[method], "compiler": compiler, "audit": True, **overrides}
+    """``model`` wrapped with a named method (audits on unless overridden; an override
+    ``scaling="none"``, the unquantized reference, has nothing to audit)."""
+    options = {**METHODS[method], "compiler": compiler, **overrides}
+    if options.get("scaling", "geometry") != "none":
+        options = {"audit": True, **options}
     return geoscale_fx.wrap(model, **options)

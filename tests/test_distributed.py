@@ -208,8 +208,9 @@ def test_tensor_parallel_trains_like_one_process():
 
 
 def _tp_per_layer_placements_collectives(rank, world):
-    import torch._dynamo.backends.debugging as debugging
     from torch.distributed.device_mesh import init_device_mesh
+
+    import geoscale_fx.compiler as backend_module   # compiles a graph with its aot_eager
 
     mesh = init_device_mesh("cpu", (world,))
     x = _tokens(2)
@@ -221,7 +222,7 @@ def _tp_per_layer_placements_collectives(rank, world):
     with torch.no_grad():
         plain(x)
     for granularity in ("head", "layer"):
-        debugging.aot_eager = _count_collectives(counts.setdefault(granularity, []))
+        backend_module.aot_eager = _count_collectives(counts.setdefault(granularity, []))
         model = _parallelize(_gpt(bias=False), mesh)
         backend = geoscale_fx.compile_blocks(model, model.transformer.h, compiler="aot_eager",
                                              estimator="exact", granularity=granularity)
