@@ -33,7 +33,8 @@ def minilm():
 #: test modules whose tests train, decode or export end to end (tens of seconds each): the
 #: fast tier (``pytest -m "not slow and not distributed and not inductor"``) leaves them out
 SLOW_MODULES = {"test_bench", "test_decode", "test_cached_keys", "test_streaming_export",
-                "test_hf_workflow", "test_kv_cache", "test_bench_families"}
+                "test_hf_workflow", "test_kv_cache", "test_bench_families", "test_calibration",
+                "test_nvfp4", "test_attention_scales", "test_restore"}
 #: test modules that start several processes (gloo)
 DISTRIBUTED_MODULES = {"test_distributed"}
 

@@ -286,6 +286,7 @@ def test_no_graph_break_added():
 # State
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.slow   # an end-to-end run of tens of seconds
 def test_state_persists_across_steps_and_recompiles_keep_it():
     zoo = models_zoo.get("nanogpt")
     wrapped = geoscale_fx.wrap(zoo.model, compiler="aot_eager")
@@ -301,6 +302,7 @@ def test_state_persists_across_steps_and_recompiles_keep_it():
     assert record.state.steps.item() == 3
 
 
+@pytest.mark.slow   # an end-to-end run of tens of seconds
 def test_state_dict_round_trip_in_a_fresh_process_gives_the_same_first_scales(tmp_path):
     zoo = models_zoo.get("nanogpt")
     wrapped = geoscale_fx.wrap(zoo.model, compiler="aot_eager")

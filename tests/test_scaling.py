@@ -187,6 +187,7 @@ def test_alpha_min_traced_equals_the_host_solution(length):
         assert float(traced) == pytest.approx(host, rel=1e-12)
 
 
+@pytest.mark.slow   # an end-to-end run of tens of seconds
 def test_theory_alpha_follows_the_sequence_length_under_dynamic_shapes():
     """Compiled with dynamic=True, α = α_min(L) of the length of *this* call (was frozen at
     the compile-time length: 1.675 after L=64 where α_min(64) = 1.776)."""
@@ -206,6 +207,7 @@ def test_theory_alpha_follows_the_sequence_length_under_dynamic_shapes():
     assert compiles[0] == compiles[-1]     # one symbolic-length graph served every length
 
 
+@pytest.mark.slow   # an end-to-end run of tens of seconds
 def test_checkpointed_constant_alpha_is_not_overwritten_at_compile():
     """A state tensor has one writer per phase: a compile never refills α."""
     zoo = models_zoo.get("nanogpt")
