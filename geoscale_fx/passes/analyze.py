@@ -5,6 +5,7 @@ backend run on the graph Dynamo captured. It never modifies ``gm``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import replace
@@ -121,7 +122,7 @@ def _pairs(features, offset: int, checker: AngleChecker) -> tuple[int, ...]:
         return ()
     if len({len(head) for head in features}) != 1:
         return ()
-    heads = torch.tensor([list(head) for head in features], dtype=torch.long) + offset
+    heads = _index_table(tuple(tuple(head) for head in features)) + offset
     partner = _partner_table(checker, int(heads.max()) + 1)          # feature -> partner
     width = partner.numel()
     # position of every feature inside its own head (-1: not in that head)
@@ -135,6 +136,14 @@ def _pairs(features, offset: int, checker: AngleChecker) -> tuple[int, ...]:
     if bool((rows != rows[0]).any()):
         return ()
     return tuple(rows[0].tolist())
+
+
+@functools.lru_cache(maxsize=256)
+def _index_table(rows: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """``rows`` (equal lengths) as a long tensor, built once per distinct table: the heads'
+    feature tables of a model's layers repeat, and each is checked several times. Read-only
+    (callers derive new tensors from it)."""
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _partner_table(checker: AngleChecker, width: int) -> torch.Tensor:
@@ -505,12 +514,17 @@ def _partners_within(checker: AngleChecker, groups, message: str) -> None:
     same group, else ``Unsupported(message)``."""
     if not checker.partners:
         return
-    groups = [tuple(features) for features in groups]
-    features = torch.tensor([f for group in groups for f in group], dtype=torch.long)
-    if not features.numel():
+    groups = tuple(tuple(features) for features in groups)
+    if not any(groups):
         return
-    members = torch.repeat_interleave(torch.arange(len(groups)),
-                                      torch.tensor([len(g) for g in groups]))
+    if len({len(g) for g in groups}) == 1:      # equal heads: one cached (n, d_h) table
+        table = _index_table(groups)
+        features = table.reshape(-1)
+        members = torch.arange(len(groups)).repeat_interleave(table.shape[1])
+    else:
+        features = torch.tensor([f for group in groups for f in group], dtype=torch.long)
+        members = torch.repeat_interleave(torch.arange(len(groups)),
+                                          torch.tensor([len(g) for g in groups]))
     width = max([int(features.max())] + [int(t.max()) for pair in checker.partners
                                          for t in pair if t.numel()]) + 1
     group_of = torch.full((width,), -1, dtype=torch.long)        # -1: in no group
