@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Node
 
+from geoscale_fx.fp8 import FP8_DTYPES
 from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.cached_keys import key_sources
 from geoscale_fx.passes.dtensor import dtensor_of, localize_term, to_local
@@ -337,12 +338,10 @@ def _dequantizes_fp8(key: Node) -> bool:
 
     for node in upstream([key], follow):
         value = example_value(node)
-        if isinstance(value, torch.Tensor) and value.dtype in _FP8_DTYPES:
+        if isinstance(value, torch.Tensor) and value.dtype in FP8_DTYPES.values():
             return True
     return False
 
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTrace,

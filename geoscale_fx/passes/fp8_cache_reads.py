@@ -34,13 +34,14 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from geoscale_fx.fp8 import FP8_DTYPES
 from geoscale_fx.passes.cached_keys import repeated_kv_heads, whole_vector_slices
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
 
 __all__ = ["FP8CacheRead", "fp8_cache_read", "FP8_STORAGE"]
 
-#: FP8 storage dtypes -> format names of ``geoscale_fx.fp8``
-FP8_STORAGE = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+#: FP8 storage dtypes -> format names (``geoscale_fx.fp8``'s table, inverted)
+FP8_STORAGE = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 
 
 @dataclass(frozen=True)
