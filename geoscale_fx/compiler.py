@@ -253,21 +253,24 @@ class GeoscaleBackend:
 
     # ---- compiled variants --------------------------------------------------------------
     def _variants(self, gm, example_inputs, plans, states, training: bool) -> dict:
-        """Builders of the graphs this graph may run: the predictive one; for inference with
-        geometry scaling the one that reuses the weights' part of the bound while the weights
-        do not change (decode steps); for auto-α the burn-in one (explicit lowering, slack
-        ratios recorded)."""
+        """Builders of the graphs this graph may run: one main graph — for inference with
+        geometry scaling the one that reads the weights' part of the bound from the state
+        (``reuse``: the runtime refreshes it on the host when the weights change, so a
+        decode or serving step computes nothing from them), otherwise the one that computes
+        it in the graph (``predict``: training, where the weights change every step) — and
+        for auto-α the burn-in one (explicit lowering, slack ratios recorded)."""
         tensors = [t for p, s in zip(plans, states) for t in s.tensors(p.state_names)]
-        inputs = list(example_inputs) + tensors
         names = [p.state_names for p in plans]
 
         def build(variant_plans):
             fused = any(p.lowering == "fused" for p in variant_plans)
-            return lambda: self._compile(rewrite(gm, variant_plans, names), inputs, fused)
+            return lambda: self._compile(rewrite(gm, variant_plans, names),
+                                         list(example_inputs) + _static(tensors), fused)
 
-        variants = {"predict": build(plans)}
         if self.options.scaling == "geometry" and not training:
-            variants["reuse"] = build([reuse_variant(p) for p in plans])
+            variants = {"reuse": build([reuse_variant(p) for p in plans])}
+        else:
+            variants = {"predict": build(plans)}
         if self.options.alpha == "auto":
             variants["burn_in"] = build([burn_in_variant(p) for p in plans])
         return variants
@@ -299,6 +302,17 @@ class GeoscaleBackend:
 
 
 # --------------------------------------------------------------------------------------
+
+def _static(state: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The state inputs as the compile should see them: inside Dynamo's compile, fake
+    tensors of static shape (the plans fix them; AOTAutograd would otherwise give them fresh
+    symbolic sizes under dynamic shapes, with no source to guard them by); outside (a variant
+    compiled on a later call), the real tensors."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.fake_mode is None:
+        return list(state)
+    return [context.fake_mode.from_tensor(t, static_shapes=True) for t in state]
+
 
 def _placeholder_values(gm: GraphModule, example_inputs) -> dict[str, Any]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -87,9 +87,14 @@ class Estimator:
         state[self.name("weight_bound")].copy_(bound)
         return bound
 
+    def refresh(self, hw: HeadWeights, state: dict) -> None:
+        """Host side, once per change of the weights (inference): keep in the state what
+        ``reuse`` reads (the bound's part that depends on the weights only)."""
+        self.full_step(hw, state)
+
     def reuse(self, values: dict, state: dict) -> torch.Tensor:
-        """The bound when the weights did not change since the last full step (inference):
-        nothing is recomputed from them."""
+        """The bound from what the last ``full_step``/``refresh`` kept (the weights did not
+        change since): nothing is recomputed from them."""
         return state[self.name("weight_bound")].double()
 
     def cold_start(self, hw: HeadWeights, state: dict,
@@ -254,6 +259,11 @@ class ExactObservedKeys(ExactNormProduct):
 
     def full_step(self, hw, state):
         return self.bound(hw, state)
+
+    def refresh(self, hw, state):
+        """The query factor only: the keys are values, measured in the graph by ``reuse``."""
+        state[self.name("query_factor")].copy_(
+            self._query_factor(self._query_norms(hw, state), hw))
 
     def reuse(self, values, state):
         keys, _ = heads.observed_heads(self.term.k, values.__getitem__)

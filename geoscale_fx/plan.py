@@ -63,8 +63,8 @@ class SitePlan:
     n_scale: int                    # one scale per query head, or one per layer
     lowering_reason: str = ""       # why not fused (SDPA sites)
     calibrating: bool = False       # auto-α burn-in variant: observe S, record slack
-    #: the variant for calls whose weights did not change since the last full step (decode,
-    #: inference): the bound's weight part is read from the state, not recomputed
+    #: the inference form: the bound's weight part is read from the state, which the runtime
+    #: refreshes on the host whenever the weights change (``ScalingPolicy.refresh``)
     reuse_weights: bool = False
     qkv_kernel: str = ""            # fp8_qkv: "fa3" (the CUDA kernel) or "emulated"
     #: lowering="fp8_qkv" was asked for but this site keeps a logit lowering: why
@@ -190,7 +190,7 @@ def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
 
 
 def reuse_variant(plan: SitePlan) -> SitePlan:
-    """The form of a plan for a step whose weights are those of the previous full step."""
+    """The inference form of a plan: the weights' part of the bound read from the state."""
     return replace(plan, reuse_weights=True)
 
 

@@ -8,10 +8,10 @@ Per kv head ``g`` (the kernel's layout, FA3's ``(batch, n_kv_heads)`` descales):
 with ``B`` the certified bounds on ``max |entry|`` of each head (``geoscale_fx.amax``:
 ``|q_h,i| ≤ ρ‖a_i‖ + |c_i|``, pair norms under RoPE). Every entry then satisfies
 ``|x / δ| ≤ η · R_max``: the cast never saturates, whatever the input. The bounds are
-recomputed inside the compiled graph from the weight nodes at every full step (so they are
-right after every optimizer step or checkpoint load); a step whose weights did not change
-(inference, decode) reuses the last descales. ``granularity="layer"`` takes one descale per
-tensor (the max over kv heads). α does not apply: it scales the logit bound only.
+recomputed from the weights whenever they change (so they are right after every optimizer
+step or checkpoint load): inside the compiled graph of a training step, on the host before
+an inference call (whose graph reads the kept descales). ``granularity="layer"`` takes one
+descale per tensor (the max over kv heads). α does not apply: it scales the logit bound only.
 
 A site that reads a KV cache (a decode step, or any step of a model with an FP8 cache) has
 keys and values that are not this call's projections: q keeps its weight bound, and k and v
@@ -121,17 +121,11 @@ class OperandScaling(ScalingPolicy):
         cache's scale and format when it is dequantized from one)."""
         roles = self.predicted
         if not reuse:
-            resolve = {k: v.detach() if isinstance(v, torch.Tensor) else v
-                       for k, v in weights.items()}.__getitem__
-            found = amax.site_amax_bounds(self.site, resolve, roles=roles)
+            found = self._weight_bounds(weights, state)
             torch._assert_async(
                 torch.isfinite(torch.cat([found[r] for r in roles])).all(),
                 f"{NON_FINITE_TAG} in attention site '{self.site.name}' (parameters of its "
                 f"{', '.join(roles)} projections)")
-            for role in roles:
-                bound = found[role] if role == "q" else self._per_query(found[role])
-                state[f"{role}_bound"].copy_(bound)
-                state[f"{role}_scale"].copy_(self._per_query(self._descale(found[role])))
         for role in OPERANDS:
             if role not in roles:
                 bound = reads[role].bound()     # per operand head: kv heads maybe repeated
@@ -139,6 +133,22 @@ class OperandScaling(ScalingPolicy):
                 state[f"{role}_bound"].copy_(self._per_query(bound))
                 state[f"{role}_scale"].copy_(self._per_query(self._exact_descale(bound)))
         return tuple(self._per_kv(state[f"{role}_scale"]) for role in OPERANDS)
+
+    def _weight_bounds(self, weights: dict, state: dict) -> dict[str, torch.Tensor]:
+        """The bounds and descales of the operands predicted from the weights, kept in the
+        state (what a ``reuse`` call reads)."""
+        resolve = {k: v.detach() if isinstance(v, torch.Tensor) else v
+                   for k, v in weights.items()}.__getitem__
+        found = amax.site_amax_bounds(self.site, resolve, roles=self.predicted)
+        for role in self.predicted:
+            bound = found[role] if role == "q" else self._per_query(found[role])
+            state[f"{role}_bound"].copy_(bound)
+            state[f"{role}_scale"].copy_(self._per_query(self._descale(found[role])))
+        return found
+
+    def refresh(self, weights, state):
+        with torch.no_grad():
+            self._weight_bounds(weights, state)
 
     def _exact_descale(self, bound: torch.Tensor) -> torch.Tensor:
         """``B / R_max`` per kv head (η = 1: ``B`` is exact), float32 rounded up."""

@@ -5,11 +5,14 @@ Who writes a site's state, by phase (one writer each):
 * creation and checkpoint load: ``state.GeoscaleState`` (spec fills, restored values);
 * cold start (first call, or weights loaded without their scaling state): ``GraphRuntime``
   through the policy's estimators, on the host, before the graph runs;
+* inference, whenever the weights changed (their version counters): ``GraphRuntime``
+  through ``ScalingPolicy.refresh``, on the host, before the graph runs — the weights' part
+  of the bound, which the inference graph (one compiled variant, ``reuse``) only reads;
 * every step: the compiled graph (in-place updates of its extra inputs);
 * end of the auto-α burn-in: :func:`finalize_calibration`, once, on the host.
 
 ``GraphRuntime.__call__`` is what Dynamo calls: cold start if needed, pick the compiled
-variant (auto-α burn-in or predictive), run it with the state appended; when the graph
+variant (auto-α burn-in, or the main one), refresh the weights' part if needed, run it with the state appended; when the graph
 raises (e.g. its non-finite-bound assertion), check the sites' weights on the host and raise
 ``NonFiniteWeights`` naming the site and the parameter instead.
 """
@@ -85,14 +88,21 @@ class GraphRuntime:
         if self.owner_index is not None and self.owner_index < len(example_inputs):
             self.bound[example_inputs[self.owner_index]] = self._own
 
+    @property
+    def main(self) -> str:
+        """The variant every call runs once auto-α's burn-in is over: ``reuse`` (inference:
+        the weights' part of the bound refreshed on the host) or ``predict``."""
+        return "reuse" if "reuse" in self.variants else "predict"
+
     def warm_up(self) -> None:
-        """Compile the variant the next call uses now (compile errors surface here), and the
-        weight-reusing one of an inference graph with symbolic shapes too: compiled later,
-        outside Dynamo's compile, it would be specialized to the example shapes. With static
-        shapes it is compiled when a call first needs it (a one-shot call never does)."""
-        self.variants["burn_in" if self.calibrating(self.states) else "predict"].get()
-        if "reuse" in self.variants and self.symbolic:
-            self.variants["reuse"].get()
+        """Compile the variant the next call uses now (compile errors surface here), and with
+        symbolic shapes every variant: compiled later, outside Dynamo's compile, a graph would
+        be specialized to the example shapes. With static shapes the main one after a
+        burn-in is compiled when a call first needs it."""
+        self.variants["burn_in" if self.calibrating(self.states) else self.main].get()
+        if self.symbolic:
+            for variant in self.variants.values():
+                variant.get()
 
     def _states_for(self, args) -> tuple[list[SiteState], list[torch.Tensor], dict]:
         if self.owner_index is None or self.bind is None:
@@ -115,10 +125,14 @@ class GraphRuntime:
             self._cold_start(args, cold)
             memo["weights"] = None
         burn_in = self.calibrating(states)
-        weights = self.weights_signature(args)
-        reuse = (not burn_in and "reuse" in self.variants and weights is not None
-                 and weights == memo["weights"])
-        variant = "burn_in" if burn_in else "reuse" if reuse else "predict"
+        variant = "burn_in" if burn_in else self.main
+        reuse = variant == "reuse"
+        if reuse:
+            weights = self.weights_signature(args)
+            refresh = weights is None or weights != memo["weights"]
+            if refresh:
+                self._refresh(args, states)
+                memo["weights"] = weights
         compiled = self.variants[variant].get()
         self.remeasured_caches += self.key_trust.before(args, states)
         try:
@@ -129,11 +143,11 @@ class GraphRuntime:
         self.key_trust.after(args, out, states)
         if burn_in:
             self._count_burn_in(states)
-        if reuse:
+            memo["weights"] = None        # the burn-in graph computed the bound in the graph
+        if reuse and not refresh:
             self.reused_steps += 1
         else:
             self.full_steps += 1
-            memo["weights"] = weights if not burn_in else None
         self.on_run()
         return out
 
@@ -141,7 +155,7 @@ class GraphRuntime:
         """Which parameter tensors the bounds read, and their in-place version counters: equal
         signatures mean the weights did not change (an optimizer step, ``load_state_dict`` and
         any in-place write bump the counter). None when it cannot be known (inference-mode
-        tensors keep no counter; the weights are then recomputed every call)."""
+        tensors keep no counter; the bound is then refreshed every call)."""
         try:
             return tuple((id(a), a.data_ptr(), a._version) for a in
                          (args[i] for i in self.param_positions) if isinstance(a, torch.Tensor))
@@ -155,6 +169,15 @@ class GraphRuntime:
         cache: dict = {}
         names = dict.fromkeys(plan.site.weight_nodes + plan.weight_names)
         return {n: to_local(evaluator.evaluate(self.by_name[n], cache)) for n in names}
+
+    def _refresh(self, args, states: list[SiteState]) -> None:
+        """Inference: the weights changed (or were never seen): recompute the weights' part
+        of every site's bound on the host, where the ``reuse`` graph reads it."""
+        for plan, state in zip(self.plans, states):
+            weights = self.weights(args, plan)
+            check_finite(plan, weights, self.by_name)
+            plan.policy.refresh(weights, state.as_dict())
+        counters["geoscale"]["weight_refreshes"] += 1
 
     def _cold_start(self, args, cold) -> None:
         for plan, state in cold:

@@ -141,6 +141,11 @@ class ScalingPolicy:
     def cold_start(self, weights: dict, state: dict, generator=None) -> int:
         return 0
 
+    def refresh(self, weights: dict, state: dict) -> None:
+        """Host side, once per change of the weights (inference graphs, compiled as the
+        ``reuse_weights`` variant only): keep in the state what the per-step program reads
+        from the weights alone."""
+
 
 class NoScaling(ScalingPolicy):
     observes = False
@@ -198,7 +203,7 @@ class GeometryScaling(ScalingPolicy):
         return [heads.term_head_weights(t, resolve) for t in self.site.terms]
 
     def predict(self, weights, state, seq_len, reuse: bool = False):
-        if reuse:   # weights unchanged since the last full step: nothing recomputed from them
+        if reuse:   # the weights' part kept by the last refresh: nothing recomputed from them
             values = {k: v.detach() if isinstance(v, torch.Tensor) else v
                       for k, v in weights.items()}
             total = sum(e.reuse(values, state) for e in self.estimators)
@@ -220,6 +225,11 @@ class GeometryScaling(ScalingPolicy):
     def learn(self, amax, state):
         if self.alpha.auto:
             self.alpha.record_slack(amax, state)
+
+    def refresh(self, weights, state):
+        with torch.no_grad():
+            for estimator, hw in zip(self.estimators, self._term_weights(weights)):
+                estimator.refresh(hw, state)
 
     def cold_start(self, weights, state, generator=None):
         with torch.no_grad():

@@ -216,13 +216,12 @@ def _cache_reads(plan: SitePlan, node: Node) -> dict | None:
     if plan.lowering != "fp8_qkv" or not plan.site.cached_keys:
         return None
     reads = {role: fp8_cache_read(x) for role, x in (("k", node.args[1]), ("v", node.args[2]))}
-    if not plan.reuse_weights:      # once per graph (the reuse variant reads the same)
-        for role, found in reads.items():
-            kind = "fp8_cache" if found is not None else "observed"
-            counters["geoscale"][f"fp8_qkv_{role}_{kind}"] += 1
-        log.info("geoscale: %s: fp8_qkv on cached keys: k/v descales from %s", plan.site.name,
-                 {r: f"the FP8 cache's scale ({f.fmt})" if f else "the values read"
-                  for r, f in reads.items()})
+    for role, found in reads.items():          # once per graph: one variant is compiled
+        kind = "fp8_cache" if found is not None else "observed"
+        counters["geoscale"][f"fp8_qkv_{role}_{kind}"] += 1
+    log.info("geoscale: %s: fp8_qkv on cached keys: k/v descales from %s", plan.site.name,
+             {r: f"the FP8 cache's scale ({f.fmt})" if f else "the values read"
+              for r, f in reads.items()})
     return reads
 
 
