@@ -44,7 +44,7 @@ from torch import nn
 from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx.kv_cache import LayerScales
+from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator

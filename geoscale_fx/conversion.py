@@ -39,7 +39,7 @@ from geoscale_fx.attach import (
     geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.kv_cache import KVCacheManager
+from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
 from geoscale_fx.state import GeoscaleState

@@ -3,7 +3,7 @@
 Serving engines (vLLM, SGLang) read static FP8 KV-cache scales from a checkpoint whose
 ``config.json`` carries a compressed-tensors ``quantization_config`` with a
 ``kv_cache_scheme``. ``export_kv_scales`` writes the certified bounds of
-``geoscale_fx.kv_cache.WeightKVScales`` in that form:
+``geoscale_fx.weight_kv_scales.WeightKVScales`` in that form:
 
 * per layer, on the attention module (its module path, e.g. ``model.layers.0.self_attn``):
   ``<path>.k_scale``, ``<path>.v_scale`` and ``<path>.q_scale``, float32;
@@ -67,7 +67,8 @@ from torch import nn
 
 from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
-from geoscale_fx.kv_cache import LayerScales, WeightKVScales, scale_from_bound
+from geoscale_fx.layer_scales import LayerScales, scale_from_bound
+from geoscale_fx.weight_kv_scales import WeightKVScales
 
 __all__ = ["KV_STRATEGIES", "KVExportOptions", "KVScaleExport", "export_kv_scales",
            "kv_cache_scheme", "quantization_config", "scale_tensors"]

@@ -35,12 +35,12 @@ from __future__ import annotations
 import torch
 
 from geoscale_fx.bounds import round_up_f32
+from geoscale_fx.fp8 import NVFP4, saturating_cast
 
 __all__ = ["NVFP4", "BLOCK", "E2M1_MAX", "E4M3_MAX", "E4M3_MIN_NORMAL", "global_scale",
            "round_e2m1", "block_scale_ratio", "scale_range_counts", "quantize", "dequantize",
            "fake_quantize", "pack", "unpack", "packed_width"]
 
-NVFP4 = "nvfp4"
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -112,7 +112,7 @@ def quantize(x: torch.Tensor, s_g: torch.Tensor
     """``(codes, scale_bits)``: uint8 (..., d) E2M1 codes of x and uint8 (..., d/16) bits of
     the E4M3 block scales s_b (a block whose scale rounds to 0 reads as zeros)."""
     ratio = block_scale_ratio(x, s_g)                                # (..., d/16)
-    scale = ratio.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = saturating_cast(ratio, "e4m3")          # ratio ≥ 0: only 448 binds
     divisor = (scale.float() * s_g).unsqueeze(-1)                    # (..., d/16, 1)
     scaled = torch.where(divisor > 0, _blocks(x.float()) / divisor, 0.0)
     codes = _e2m1_codes(round_e2m1(scaled)).reshape(x.shape)

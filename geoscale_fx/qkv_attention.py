@@ -29,8 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from geoscale_fx.bounds import fp8_max
-from geoscale_fx.fp8 import fp8_dtype, quantize_dequantize
+from geoscale_fx.fp8 import quantize_dequantize, saturating_cast
 
 __all__ = ["P_OFFSET", "emulated_fp8_attention", "fa3_fp8_attention", "fa3_available",
            "group_descale", "operand_scaled_max"]
@@ -134,11 +133,10 @@ def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     )
 
     group = q.shape[-3] // k.shape[-3]
-    limit, dtype = fp8_max("e4m3"), fp8_dtype("e4m3")
 
     def cast(x, descale, repeat=1):
         scaled = x.float() / _head_view(descale, repeat)
-        return scaled.clamp(-limit, limit).to(dtype).contiguous()
+        return saturating_cast(scaled, "e4m3").contiguous()
 
     def kernel_descale(descale):                                   # (B, H_kv) float32
         return descale.detach().float().reshape(1, -1).expand(q.shape[0], -1).contiguous()

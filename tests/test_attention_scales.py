@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import kv_cache
+from geoscale_fx import weight_kv_scales
 from geoscale_fx.export import export_kv_scales
 from tests.analysis_checks import scale_up_gains_and_biases
 from tests.hf_models import build_hf
@@ -36,13 +36,13 @@ def _sites(model) -> list[str]:
 def traces(monkeypatch):
     """How many times a model was traced (``capture_graphs`` calls)."""
     calls = []
-    original = kv_cache.capture_graphs
+    original = weight_kv_scales.capture_graphs
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(kv_cache, "capture_graphs", counted)
+    monkeypatch.setattr(weight_kv_scales, "capture_graphs", counted)
     return calls
 
 
@@ -191,7 +191,7 @@ def test_rotary_pair_bound_equals_explicit_spectral_norms():
     by far more."""
     model = build_hf("llama-sdpa")
     scale_up_gains_and_biases(model)
-    source = kv_cache.WeightKVScales(model).capture(_ids(1, 8))
+    source = weight_kv_scales.WeightKVScales(model).capture(_ids(1, 8))
     layer = source.layers()[1]
     block = model.model.layers[1]
     gain = block.input_layernorm.weight.detach().double()                       # (d,)

@@ -1,7 +1,8 @@
 """Options: an option set away from its default takes effect or is a ValueError naming it.
 
 Generated from ``VALUES`` (every value of each enum, the default and one other value of each
-number, alpha 1.0 / 0.5 / "theory" / "auto", every ``kv_cache`` format ``kv_cache.py`` has):
+number, alpha 1.0 / 0.5 / "theory" / "auto", every ``kv_cache`` format that
+``fp8.KV_CACHE_FORMATS`` lists):
 
 * construction, over every combination of up to five changed options and over the full
   product of the options that constrain one another (``_CORE``): each constructs, or raises a

@@ -11,7 +11,7 @@ import torch
 
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.fp8 import (FP8_DTYPES, OVERFLOW_RTOL, fake_quantize_logits, fp8_dtype,
-                             overflowed, quantize_dequantize, scaled_abs_max)
+                             overflowed, quantize_dequantize, saturating_cast, scaled_abs_max)
 
 FMTS = ("e4m3", "e5m2")
 TORCH_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -62,10 +62,12 @@ def test_fp8_max_agrees_with_torch_finfo_and_the_enumerated_values(fmt):
 
 @pytest.mark.parametrize("call", [
     lambda fmt: fp8_dtype(fmt),
+    lambda fmt: saturating_cast(torch.ones(2), fmt),
     lambda fmt: quantize_dequantize(torch.ones(2), fmt),
     lambda fmt: fake_quantize_logits(torch.ones(2), torch.ones(1), fmt),
     lambda fmt: overflowed(torch.ones(2), fmt),
-], ids=["fp8_dtype", "quantize_dequantize", "fake_quantize_logits", "overflowed"])
+], ids=["fp8_dtype", "saturating_cast", "quantize_dequantize", "fake_quantize_logits",
+        "overflowed"])
 @pytest.mark.parametrize("bad", ["e4m3fn", "E4M3", "fp8", ""])
 def test_unknown_format_raises_value_error_naming_allowed_values(call, bad):
     """A bad ``fmt`` is a ValueError whose message lists the allowed names and the bad one."""
@@ -74,6 +76,43 @@ def test_unknown_format_raises_value_error_naming_allowed_values(call, bad):
     message = str(info.value)
     assert "['e4m3', 'e5m2']" in message
     assert repr(bad) in message
+
+
+# --------------------------------------------------------------------------------------
+# saturating_cast: the one cast to FP8 of the package
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_saturating_cast_matches_the_reference_beyond_r_max_and_at_the_edges(fmt, dtype):
+    """Random values of every magnitude, values just past and far past ±R_max, ±inf, ±0:
+    the FP8 result (in the format's dtype) is the arithmetic reference, sign of zero
+    included; NaN stays NaN."""
+    g = torch.Generator().manual_seed(3)
+    _, emin, vmax = FORMAT[fmt]
+    exps = torch.empty(5000, dtype=torch.float64).uniform_(emin - 6, math.log2(vmax) + 4,
+                                                           generator=g)
+    signs = torch.where(torch.rand(5000, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    edges = [vmax, vmax * 1.01, vmax * 1.2, vmax * 3, 1e30, math.inf, 0.0]
+    x = torch.cat([signs * torch.pow(2.0, exps), torch.tensor(edges, dtype=torch.float64),
+                   -torch.tensor(edges, dtype=torch.float64)]).to(torch.float32).to(dtype)
+    out = saturating_cast(torch.cat([x, torch.tensor([math.nan], dtype=dtype)]), fmt)
+    assert out.dtype == TORCH_DTYPE[fmt]
+    value = out.double()
+    expected = _reference_round(x.double(), fmt)
+    assert torch.equal(value[:-1], expected)
+    assert torch.equal(torch.signbit(value[:-1]), torch.signbit(expected))   # -0 stays -0
+    assert value[-1].isnan()
+    assert value.abs().nan_to_num(0.0).max() == vmax                        # no ±inf
+
+
+def test_saturating_cast_clamps_where_the_bare_e5m2_cast_overflows():
+    """The explicit reference: ±61440 and beyond become ±57344 (the bare cast gives ±inf),
+    -1e6 and -inf too; nothing is clamped at a bound of the wrong sign."""
+    x = torch.tensor([61440.0, 1e6, math.inf, -61440.0, -1e6, -math.inf, -3.0])
+    assert torch.isinf(x[:3].to(torch.float8_e5m2).float()).all()
+    out = saturating_cast(x, "e5m2").float()
+    assert torch.equal(out, torch.tensor([57344.0] * 3 + [-57344.0] * 3 + [-3.0]))
 
 
 # --------------------------------------------------------------------------------------

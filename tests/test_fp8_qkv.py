@@ -25,6 +25,7 @@ from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.bounds import round_up_f32
 from geoscale_fx.capture import capture_graphs, find_attention
 from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read
 from geoscale_fx.plan import GraphContext, plan_site
@@ -480,8 +481,6 @@ def test_an_fp8_cache_filled_by_other_weights_is_covered_by_its_own_scale():
     """A decode step on an FP8 cache that another model filled (its k/v projections ×30):
     the cached keys exceed the bound this model's weights give, yet the k/v descales are the
     cache's own scales (× (1 + 2ε)), cover every entry read, and nothing overflows."""
-    from geoscale_fx.kv_cache import KVCacheManager
-
     model, other = build_hf("llama-sdpa"), build_hf("llama-sdpa", seed=1)
     with torch.no_grad():
         for name, p in other.named_parameters():

@@ -13,7 +13,9 @@ import torch
 
 import geoscale_fx
 from geoscale_fx.bounds import fp8_max
-from geoscale_fx.kv_cache import WeightKVScales, cache_nbytes
+from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
+from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.weight_kv_scales import WeightKVScales
 from tests.analysis_checks import scale_up_gains_and_biases
 from tests.hf_models import build_hf
 
@@ -108,8 +110,6 @@ def test_fp8_cache_holds_the_rounded_keys_and_values_of_the_first_layer():
 def _oracle_cache(model, ids, static: bool):
     """An FP8 cache with the ideal per-head scales: each head's actual max |entry| over the
     whole unquantized generation (an oracle no engine has), divided by R_max."""
-    from geoscale_fx.kv_cache import LayerScales, fp8_cache
-
     plain = _plain_cache(model, ids)
     layers = [LayerScales(i, "", torch.ones(1), c.keys.abs().amax(dim=(0, 2, 3)).double(),
                           c.values.abs().amax(dim=(0, 2, 3)).double())

@@ -28,7 +28,7 @@ LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
     "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
-    "site_model": DATA, "config": DATA, "state": DATA,
+    "site_model": DATA, "config": DATA, "state": DATA, "layer_scales": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
     "heads": NUMERICS, "rope": NUMERICS, "amax": NUMERICS, "estimators": NUMERICS,
     "distributed": NUMERICS, "attention": NUMERICS, "qkv_attention": NUMERICS,
@@ -42,7 +42,7 @@ LAYERS = {
     "passes.fp8_cache_reads": ANALYSIS, "passes.analyze": ANALYSIS, "capture": ANALYSIS,
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
     "passes.rewrite": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
-    "kv_cache": RUNTIME,
+    "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,
     # the backend
     "compiler": BACKEND,
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)

@@ -13,6 +13,8 @@ import torch
 
 import geoscale_fx
 from geoscale_fx import nvfp4
+from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
+from geoscale_fx.layer_scales import LayerScales
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
@@ -203,8 +205,6 @@ def _plain_cache(model, ids):
 def _observed_amax_cache(model, ids, static: bool):
     """An NVFP4 cache with global scales from each head's actual max |entry| over the whole
     unquantized generation (what an engine calibrates, on the very data)."""
-    from geoscale_fx.kv_cache import LayerScales, fp8_cache
-
     layers = [LayerScales(i, "", torch.ones(1), c.keys.abs().amax(dim=(0, 2, 3)).double(),
                           c.values.abs().amax(dim=(0, 2, 3)).double())
               for i, c in enumerate(_plain_cache(model, ids).layers)]
@@ -273,7 +273,6 @@ def test_nvfp4_generation_stays_close_to_the_unquantized_model(key, cache):
 
 @pytest.mark.zoo
 def test_nvfp4_cache_takes_9_32_of_the_bytes_of_a_bf16_cache():
-    from geoscale_fx.kv_cache import cache_nbytes
     from tests.hf_models import build_hf
 
     model = build_hf("llama-sdpa").to(torch.bfloat16)

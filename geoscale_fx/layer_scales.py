@@ -1,0 +1,52 @@
+"""A cache layer's certified q/k/v bounds, and the k/v scales rounded up from them.
+
+For a layer whose keys (values) obey ``max |entry| ≤ B_h`` on kv head h (float64, from the
+weights: ``geoscale_fx.weight_kv_scales``, or a checkpoint: ``geoscale_fx.checkpoint_scales``)
+the FP8 scale is the divisor
+
+    s_h = ⌈B_h / R_max⌉_f32          the smallest float32 ≥ B_h / R_max
+
+so ``|x / s_h| ≤ R_max`` for every entry: rounding to nearest could land one ulp under
+``B_h / R_max`` and let an entry at the bound saturate. For NVFP4 the scale is the global
+scale s_g ≥ B_h / (6 · 448) of ``nvfp4.global_scale``. Both are floored at the smallest normal
+float32 (a zero bound gives a finite, positive divisor)::
+
+    >>> layer = LayerScales(0, "model.layers.0.self_attn", torch.ones(2),
+    ...                     torch.tensor([448.0], dtype=torch.float64), torch.zeros(1))
+    >>> layer.scales("e4m3")[0]
+    tensor([1.])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from geoscale_fx import nvfp4
+from geoscale_fx.bounds import fp8_max, round_up_f32
+from geoscale_fx.fp8 import NVFP4
+
+__all__ = ["LayerScales", "scale_from_bound"]
+
+
+@dataclass(frozen=True)
+class LayerScales:
+    """One cache layer: the attention module that reads it, and its certified bounds."""
+    layer: int
+    site: str                      # attention site (module path)
+    q_bound: torch.Tensor          # (n_q,) float64: max |q entry| per query head
+    k_bound: torch.Tensor          # (n_kv,)
+    v_bound: torch.Tensor          # (n_kv,)
+
+    def scales(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_scale, v_scale)`` float32 ``(n_kv,)``: bound / R_max (a divisor); for
+        NVFP4 the global scales bound / (6 · 448)."""
+        if fmt == NVFP4:
+            return nvfp4.global_scale(self.k_bound), nvfp4.global_scale(self.v_bound)
+        return scale_from_bound(self.k_bound, fmt), scale_from_bound(self.v_bound, fmt)
+
+
+def scale_from_bound(bound: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``bound / R_max`` as the smallest float32 ``≥`` it (floored at the smallest normal):
+    rounding to nearest could land one ulp under and let an entry at the bound saturate."""
+    return round_up_f32(bound.detach().double() / fp8_max(fmt))

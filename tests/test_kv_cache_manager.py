@@ -1,0 +1,83 @@
+"""Unit tests for ``geoscale_fx.kv_cache_manager``: one FP8 cache per ``generate`` call.
+
+No generation here (``tests/test_kv_cache.py`` generates end to end): the manager's caches are
+checked against the bounds it traced (every stored scale covers its head's bound at R_max),
+its ``generate`` keyword handling against the keywords it was given, and its saturation
+counts against entries written here past the scale.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from geoscale_fx.kv_cache_layers import FP8Layer, NVFP4Layer
+from geoscale_fx.kv_cache_manager import KVCacheManager
+from tests.hf_models import build_hf
+
+
+def _ids(batch: int = 1, length: int = 6) -> torch.Tensor:
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_new_cache_holds_scales_covering_the_traced_bounds_and_rows_report_them():
+    manager = KVCacheManager(build_hf("llama-sdpa"), "fp8")
+    assert manager.rows() == {}
+    cache = manager.new_cache(_ids())
+    layers = manager.last_layers
+    assert [type(layer).__name__ for layer in cache.layers] == ["FP8DynamicLayer"] * 2
+    for layer, scales in zip(cache.layers, layers):
+        assert isinstance(layer, FP8Layer) and layer.fmt == "e4m3"
+        assert bool((layer.k_scale.double() * 448.0 >= scales.k_bound).all())
+        assert bool((layer.v_scale.double() * 448.0 >= scales.v_bound).all())
+    rows = manager.rows()
+    assert list(rows) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for (site, row), layer in zip(rows.items(), cache.layers):
+        assert row == {"k_scale": float(layer.k_scale.max()), "v_scale": float(layer.v_scale.max()),
+                       "kv_saturated": 0}
+
+
+def test_saturation_is_counted_across_caches_and_warned_about(caplog):
+    manager = KVCacheManager(build_hf("llama-sdpa"), "fp8_e5m2")
+    first = manager.new_cache(_ids())
+    scale = first.layers[1].k_scale
+    keys = torch.zeros(1, 2, 3, 16)
+    keys[0, 0, 0, :2] = 1e6 * scale[0]                        # far past 57344 · s
+    first.update(keys, torch.zeros_like(keys), 1)
+    second = manager.new_cache(_ids())
+    assert second.layers[1].saturated is first.layers[1].saturated
+    assert manager.saturated_total() == 2 and manager.rows()[
+        "model.layers.1.self_attn"]["kv_saturated"] == 2
+    with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+        manager.after_generate()
+    assert "2 cached entries reached ±R_max" in caplog.text
+
+
+def test_generate_kwargs_build_a_dynamic_or_static_cache(caplog):
+    manager = KVCacheManager(build_hf("llama-sdpa"), "nvfp4")
+    ids = _ids(length=5)
+    kwargs = manager.generate_kwargs((ids,), {"max_new_tokens": 3})
+    assert isinstance(kwargs["past_key_values"].layers[0], NVFP4Layer)
+    static = manager.generate_kwargs((), {"input_ids": ids, "max_new_tokens": 3,
+                                          "cache_implementation": "static"})
+    assert "cache_implementation" not in static
+    assert static["past_key_values"].layers[0].max_cache_len == 5 + 3
+    own = object()
+    with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+        assert manager.generate_kwargs((ids,), {"past_key_values": own})["past_key_values"] \
+            is own
+    assert "used as is (not FP8)" in caplog.text
+
+
+def test_refusals_name_the_option():
+    with pytest.raises(ValueError, match="kv_cache='fp8'.*Linear keeps its own cache"):
+        KVCacheManager(nn.Linear(2, 2), "fp8")
+    with pytest.raises(ValueError, match="kv_cache='int8'; allowed values"):
+        KVCacheManager(nn.Linear(2, 2), "int8")
+    manager = KVCacheManager(build_hf("llama-sdpa"), "fp8")
+    with pytest.raises(ValueError, match="not cache_implementation='offloaded'"):
+        manager.generate_kwargs((_ids(),), {"cache_implementation": "offloaded"})
+    with pytest.raises(ValueError, match="generate needs input_ids"):
+        manager.generate_kwargs((), {})
