@@ -40,6 +40,13 @@ LAYERS = {
     "passes.normalization": ANALYSIS, "passes.provenance": ANALYSIS,
     "passes.find_sites": ANALYSIS, "passes.cached_keys": ANALYSIS, "passes.evaluate": ANALYSIS,
     "passes.fp8_cache_reads": ANALYSIS, "passes.analyze": ANALYSIS, "capture": ANALYSIS,
+    "passes.replay_records": ANALYSIS, "passes.rotary_terms": ANALYSIS,
+    "passes.rotary_gain": ANALYSIS, "passes.candidate": ANALYSIS,
+    "passes.rotation_pairs": ANALYSIS, "passes.operand_sides": ANALYSIS,
+    "passes.adapter_fold": ANALYSIS, "passes.logit_terms": ANALYSIS,
+    "passes.head_mapping": ANALYSIS, "passes.site_fields": ANALYSIS,
+    "passes.value_side": ANALYSIS, "passes.cached_key_sites": ANALYSIS,
+    "passes.traced_operands": ANALYSIS, "passes.opaque_attention": ANALYSIS,
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
     "passes.rewrite": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
     "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,

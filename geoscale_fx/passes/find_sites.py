@@ -19,38 +19,19 @@ A softmax that does not fit the normal form is not an attention and is skipped.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 from torch.fx import Graph, Node
 
+from geoscale_fx.passes.candidate import Candidate, CandidateDraft
 from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, baddbmm_args, matmul_operands, op_of,
     scalar_constant, shape_of, static_bool,
 )
 
-__all__ = ["Candidate", "find_candidates"]
+__all__ = ["find_candidates"]
 
 _MATMULS = ("matmul", "bmm", "baddbmm", "einsum")
-
-
-@dataclass
-class Candidate:
-    kind: str                           # "sdpa" | "explicit" | "mha" | "encoder_layer"
-    node: Node
-    query: Optional[Node] = None
-    key: Optional[Node] = None
-    key_layout: str = "kd"              # key operand: "kd" (…, L', D) or "dk" (…, D, L')
-    query_perm: Optional[tuple] = None  # einsum: permutation of the query to (…, L, D)
-    key_perm: Optional[tuple] = None
-    scale: float = 1.0                  # scalar factors on the scores (softmax scale)
-    is_causal: bool = False
-    has_mask: bool = False
-    dropout_p: float = 0.0
-    gqa: bool = False
-    roles: dict = field(default_factory=dict)
-    modifiers: list = field(default_factory=list)   # (kind, node, value), in graph order
-    failure: str = ""                   # why a softmax over QKᵀ is not in the normal form
 
 
 def find_candidates(graph: Graph, kinds: ValueKinds) -> list[Candidate]:
@@ -98,7 +79,7 @@ def _explicit(softmax: Node, kinds: ValueKinds) -> Optional[Candidate]:
     product = _product_of_activations(softmax.args[0], kinds)
     if product is None:
         return None          # not attention: no QKᵀ behind this softmax
-    cand = Candidate("explicit", softmax)
+    cand = CandidateDraft("explicit", softmax)
     if not _softmax_dim_is_last(softmax):
         return _failed(cand, product, "the softmax is not over the last dim of the scores")
     scores = _walk_scores(softmax.args[0], kinds, cand, depth=0)
@@ -116,14 +97,14 @@ def _explicit(softmax: Node, kinds: ValueKinds) -> Optional[Candidate]:
     cand.roles.pop("blocker", None)
     cand.roles.update({"scores": scores, "softmax": softmax, "pv": pv})
     cand.roles.setdefault("logits", scores)
-    return cand
+    return cand.freeze()
 
 
-def _failed(cand: Candidate, product: Node, why: str) -> Candidate:
+def _failed(cand: CandidateDraft, product: Node, why: str) -> Candidate:
     cand.roles = {"softmax": cand.node, "scores": product}
     cand.failure = (f"`{cand.node.name}` is a softmax over `{product.name}`, a product of two "
                     f"activations, but {why}; left in high precision")
-    return cand
+    return cand.freeze()
 
 
 #: where the search for a QKᵀ behind a softmax stops: projections, normalizations and whole
@@ -153,7 +134,7 @@ def _product_of_activations(node, kinds: ValueKinds, depth: int = 12) -> Optiona
     return None
 
 
-def _walk_scores(node, kinds: ValueKinds, cand: Candidate, depth: int) -> Optional[Node]:
+def _walk_scores(node, kinds: ValueKinds, cand: CandidateDraft, depth: int) -> Optional[Node]:
     """Back from the softmax input to ``Q Kᵀ``; records scalar scale and masks in ``cand``."""
     if not isinstance(node, Node) or depth > 16:
         return None
@@ -218,7 +199,7 @@ def _keeps_score_dims(node: Node) -> bool:
         len(after) >= 2 and tuple(before[-2:]) == tuple(after[-2:])
 
 
-def _through_sink(node: Node, kinds: ValueKinds, cand: Candidate, depth: int
+def _through_sink(node: Node, kinds: ValueKinds, cand: CandidateDraft, depth: int
                   ) -> Optional[Node]:
     """Attention sinks: ``cat([S, sink], -1)`` with a parameter-only ``sink`` column."""
     parts, dim = arg(node, 0, "tensors"), arg(node, 1, "dim", 0)
@@ -230,7 +211,7 @@ def _through_sink(node: Node, kinds: ValueKinds, cand: Candidate, depth: int
     sink = _value_source(sink)     # the sinks parameter itself (max|·| is unchanged by views)
     if sink is None:
         return None
-    trial = Candidate("explicit", cand.node, scale=cand.scale)
+    trial = CandidateDraft("explicit", cand.node, scale=cand.scale)
     found = _walk_scores(scores, kinds, trial, depth + 1)
     if found is None:
         return None
@@ -266,14 +247,14 @@ def _softcap(node: Node) -> Optional[tuple[Node, float]]:
     return None
 
 
-def _through_softcap(node: Node, inner: Node, cap: float, kinds: ValueKinds, cand: Candidate,
+def _through_softcap(node: Node, inner: Node, cap: float, kinds: ValueKinds, cand: CandidateDraft,
                      depth: int) -> Optional[Node]:
     """Softcapping ``c·tanh(y)``: walk ``y = s·QKᵀ/c``; S's own scale is ``s = scale(y)·c``.
 
     Factors between the softcap and the softmax do not change what must be quantized (the
     softcap's output, bounded by ``c``), so the scale restarts below it.
     """
-    trial = Candidate("explicit", cand.node)
+    trial = CandidateDraft("explicit", cand.node)
     found = _walk_scores(inner, kinds, trial, depth + 1)
     if found is None:
         return None
@@ -284,12 +265,12 @@ def _through_softcap(node: Node, inner: Node, cap: float, kinds: ValueKinds, can
     return found
 
 
-def _through_mask(node: Node, operands, kinds: ValueKinds, cand: Candidate, depth: int
+def _through_mask(node: Node, operands, kinds: ValueKinds, cand: CandidateDraft, depth: int
                   ) -> Optional[Node]:
     """The operand of a mask op (add, sub, where, masked_fill) that leads to ``Q Kᵀ``; the
     rest is mask."""
     for x in operands:
-        trial = Candidate("explicit", cand.node, scale=cand.scale)
+        trial = CandidateDraft("explicit", cand.node, scale=cand.scale)
         found = _walk_scores(x, kinds, trial, depth + 1)
         if found is None and "blocker" in trial.roles:
             cand.roles.setdefault("blocker", trial.roles["blocker"])
@@ -301,7 +282,7 @@ def _through_mask(node: Node, operands, kinds: ValueKinds, cand: Candidate, dept
     return None
 
 
-def _product_with_values(softmax: Node, cand: Candidate) -> Optional[Node]:
+def _product_with_values(softmax: Node, cand: CandidateDraft) -> Optional[Node]:
     """Follow the probabilities (casts, dropout) to the matmul where they are the left operand."""
     frontier = [softmax]
     for _ in range(8):
@@ -323,7 +304,7 @@ def _product_with_values(softmax: Node, cand: Candidate) -> Optional[Node]:
     return None
 
 
-def _set_operands(scores: Node, cand: Candidate) -> bool:
+def _set_operands(scores: Node, cand: CandidateDraft) -> bool:
     op = op_of(scores)
     if op in ("matmul", "bmm"):
         cand.query, cand.key, cand.key_layout = scores.args[0], scores.args[1], "dk"

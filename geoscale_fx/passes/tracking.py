@@ -26,9 +26,8 @@ from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, arg, example_value, op_of, scalar_constant, shape_of,
     static_int,
 )
-from geoscale_fx.passes.rotary import (
-    AngleChecker, ComplexValue, RotaryHalf, RotaryTerm, trig_origin,
-)
+from geoscale_fx.passes.rotary_gain import AngleChecker
+from geoscale_fx.passes.rotary_terms import ComplexValue, RotaryHalf, RotaryTerm, trig_origin
 from geoscale_fx.passes.track import Track, Unsupported
 
 __all__ = ["Unsupported", "Track", "RotaryTerm", "AngleChecker", "replay", "normalize",

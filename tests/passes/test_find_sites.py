@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.find_sites import Candidate, find_candidates
+from geoscale_fx.passes.candidate import Candidate
+from geoscale_fx.passes.find_sites import find_candidates
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, ValueKinds, op_of
 
 B, L, D, H, DH = 2, 6, 32, 4, 8

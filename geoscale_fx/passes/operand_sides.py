@@ -1,0 +1,101 @@
+"""One side of a logit term (``site_model.Side``) from what the analysis traced.
+
+A side is ``q_h = R(A_hᵀ x̂ + c_h)``: the normalized ``Source`` ``x̂`` the projection reads
+(or the QK-norm unit the operand is made of: then the side has no weight of its own), the
+projection's weight and bias, the features of each head, the rotary embedding ``R`` replay
+recorded and the scalar gains on the way (``operand_gain``; ``position_gain``: per-position
+multipliers such as Llama-4's attention temperature, ``max |t|``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.fx import Node
+
+from geoscale_fx.passes.candidate import Candidate
+from geoscale_fx.passes.graph_ops import ValueKinds, shape_of
+from geoscale_fx.passes.provenance import (
+    HeadRows, NormalizedInput, OperandTrace, ProjectionOp, parameter_names,
+    trace_normalized_input,
+)
+from geoscale_fx.passes.replay_records import ReplayRecords
+from geoscale_fx.passes.rotation_pairs import rotated_partners
+from geoscale_fx.passes.track import Unsupported
+from geoscale_fx.site_model import Side, Source
+
+__all__ = ["source_of", "side_of", "projection_side", "side_rotary", "position_gain"]
+
+
+def source_of(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Source:
+    """The site's ``Source`` for a traced normalized input (graph nodes by name)."""
+    channel_ops = tuple((kind, v.name if isinstance(v, Node) else float(v))
+                        for kind, v in norm.channel_ops)
+    return Source(norm=norm.norm, node=norm.node.name, width=norm.model_dim,
+                  channel_ops=channel_ops, radius_factor=norm.radius_factor,
+                  channel_index=channel_index)
+
+
+def side_of(trace: OperandTrace, rows: HeadRows, checker: ReplayRecords, kinds: ValueKinds,
+            features=None, offset: int = 0) -> Side:
+    """A side from its operand's trace: the projection's normalized input, or the QK-norm
+    the operand is made of (then the side has no weight of its own)."""
+    unit = trace.norm_unit
+    if unit is None:
+        norm = trace_normalized_input(trace.projection.x, kinds, trace.projection.root)
+        side = projection_side(trace.projection, rows, norm, checker.rotaries,
+                               features=features)
+    else:
+        width, position = checker.norms[unit.id]
+        n_features = (shape_of(trace.projection.root) or (0,))[-1]
+        index = tuple(position.get(f + offset, -1) for f in range(n_features))
+        rotary = side_rotary(rows, checker.rotaries)
+        side = Side(source=source_of(unit.norm, index), weight=None, layout="identity",
+                    features=features if features is not None else rows.features,
+                    rotary=rotary, operand_gain=rows.gain)
+    if side.rotary is None:
+        return side
+    return replace(side, pairs=rotated_partners(side.features, offset, checker))
+
+
+def side_rotary(rows: HeadRows, rotaries):
+    """The side's ``Rotary`` (None when nothing reaching the operand was rotated)."""
+    if rows.rotation <= 0:
+        return None
+    if not rotaries:
+        raise Unsupported("internal: rotation without a recorded rotary embedding")
+    # stacked rotations: the factor is their product (rows.rotation), verified only if all are
+    return replace(rotaries[-1], factor=rows.rotation, partial=rows.partial_rotation,
+                   pairing_verified=all(r.pairing_verified for r in rotaries))
+
+
+def projection_side(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput, rotaries,
+                    features=None, bias_offset: int = 0) -> Side:
+    """The site-facing description of one side (``rows``: what reached the operand)."""
+    rotary = side_rotary(rows, rotaries)
+    weight_param, bias_param = parameter_names(trace_proj)
+    return Side(
+        source=source_of(norm), weight=trace_proj.weight.name, layout=trace_proj.layout,
+        features=features if features is not None else rows.features,
+        bias=trace_proj.bias.name if trace_proj.bias is not None else None, rotary=rotary,
+        weight_param=weight_param, bias_param=bias_param, bias_offset=bias_offset,
+        operand_gain=rows.gain)
+
+
+def position_gain(cand: Candidate, role: str, rows: HeadRows, checker: ReplayRecords
+                  ) -> float:
+    """The product of the per-position multipliers' bounds applied to the whole operand (a
+    multiplier of part of a head vector is not a scalar on it: refused)."""
+    gain = 1.0
+    if not checker.multipliers:
+        return gain
+    features = torch.tensor([f for head in rows.features for f in head]).unique()
+    for bound, covered in checker.multipliers:
+        inside = torch.isin(features, covered.long())
+        if not bool(inside.any()):
+            continue
+        if not bool(inside.all()):
+            raise Unsupported(f"`{cand.node.name}`: a per-position multiplier scales part of "
+                              f"the {role}'s head vectors")
+        gain *= bound
+    return gain

@@ -1,0 +1,51 @@
+"""The values' side of a site, for their amax bound; or why it could not be traced.
+
+Never makes a site unsupported: the logits do not depend on the values. The value operand is
+SDPA's third argument, or the right operand of the explicit form's probabilities · V
+product; it is traced to its projection as a query or key is (a LoRA adapter on it folds
+into its weight), and returned as ``{"value": Side}`` or ``{"value_reason": why}``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.fx import Node
+
+from geoscale_fx.passes.candidate import Candidate
+from geoscale_fx.passes.graph_ops import ValueKinds, matmul_operands, op_of
+from geoscale_fx.passes.logit_terms import term_sides
+from geoscale_fx.passes.operand_sides import side_of
+from geoscale_fx.passes.provenance import head_rows, trace_operand
+from geoscale_fx.passes.rotary_gain import AngleChecker
+from geoscale_fx.passes.track import Unsupported
+
+__all__ = ["value_side"]
+
+
+def value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    """``{"value": Side}``, or ``{"value_reason": str}`` saying why there is none."""
+    node = cand.node
+    if cand.kind == "sdpa":
+        value = node.args[2]
+    else:
+        pv = cand.roles.get("pv")
+        value = matmul_operands(pv)[1] if pv is not None and op_of(pv) in (
+            "matmul", "bmm") else None
+    if not isinstance(value, Node):
+        return {"value_reason": "no value operand found"}
+    checker = AngleChecker(evaluator)
+    try:
+        trace = trace_operand(value, kinds, checker, "value", order)
+        rows = head_rows(trace.track, value, "value")
+        if len(trace.projections) == 1:
+            return {"value": side_of(trace, rows, checker, kinds)}
+        # several projections: a map added to the values' projection (LoRA on v) folds
+        # into its weight as for q and k; anything else is not one side
+        channels = list(range(trace.track.shape[-1]))
+        sides = term_sides(cand, "value", trace, trace.track, rows, channels, checker, kinds)
+        if len(sides) != 1:
+            raise Unsupported(f"the value `{value.name}` comes from several inputs (an "
+                              "adapter with dropout): no single side bounds it")
+        return {"value": replace(sides[0], position_gain=1.0)}
+    except Unsupported as exc:
+        return {"value_reason": str(exc)}
