@@ -1,0 +1,81 @@
+"""geoscale_fx.export: ``scale_tensors`` on hand-made bounds (B / 448 rounded up to float32),
+the compressed-tensors config dicts, and the refusals of ``export_kv_scales`` that leave the
+output directory untouched. tests/test_export_kv_scales.py covers Hugging Face models."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from geoscale_fx import export
+from geoscale_fx.export import KVExportOptions, export_kv_scales, quantization_config, scale_tensors
+from tests.attention_variants import Block
+
+
+def _layers():
+    b = lambda *v: torch.tensor(v, dtype=torch.float64)                    # noqa: E731
+    return [export.LayerScales(0, "m.0.attn", b(1.0, 2.0, 3.0, 4.0), b(448.0, 0.1), b(0.0, 0.0)),
+            export.LayerScales(1, "m.1.attn", b(5.0, 6.0, 7.0, 8.0), b(9.0, 10.0), b(1.0, 3.0))]
+
+
+def _smallest_f32_at_least(x: float) -> float:
+    """float64 reference: the float32 nearest x, stepped up once if it fell below."""
+    f = torch.tensor(x, dtype=torch.float32)
+    if f.double() < x:
+        f = torch.nextafter(f, torch.tensor(float("inf")))
+    return float(f)
+
+
+def test_per_tensor_scales_are_the_max_bound_over_r_max_rounded_up():
+    out = scale_tensors(_layers(), KVExportOptions())
+    assert sorted(out) == ["m.0.attn.k_scale", "m.0.attn.q_scale", "m.0.attn.v_scale",
+                           "m.1.attn.k_scale", "m.1.attn.q_scale", "m.1.attn.v_scale"]
+    assert all(t.dtype == torch.float32 and t.shape == (1,) for t in out.values())
+    assert float(out["m.0.attn.k_scale"]) == 1.0                             # 448 / 448
+    assert float(out["m.1.attn.q_scale"]) == _smallest_f32_at_least(8.0 / 448)
+    assert float(out["m.1.attn.v_scale"]) == _smallest_f32_at_least(3.0 / 448)
+    assert float(out["m.0.attn.v_scale"]) > 0                                # B = 0: floored
+
+
+def test_per_head_scales_and_without_q():
+    out = scale_tensors(_layers(), KVExportOptions(strategy="head", include_q=False))
+    assert sorted(out) == ["m.0.attn.k_scale", "m.0.attn.v_scale", "m.1.attn.k_scale",
+                           "m.1.attn.v_scale"]
+    k = out["m.1.attn.k_scale"]
+    assert k.shape == (2, 1, 1)
+    assert k.flatten().tolist() == [_smallest_f32_at_least(9 / 448),
+                                    _smallest_f32_at_least(10 / 448)]
+    assert bool((k.flatten().double() * 448 >= torch.tensor([9.0, 10.0])).all())
+
+
+def test_quantization_config_is_a_kv_cache_only_compressed_tensors_config():
+    config = quantization_config(KVExportOptions(strategy="head"))
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "dense"
+    assert config["config_groups"] == {} and config["quantization_status"] == "frozen"
+    assert config["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True,
+                                         "group_size": None, "strategy": "attn_head",
+                                         "dynamic": False}
+    assert export.kv_cache_scheme(KVExportOptions())["strategy"] == "tensor"
+
+
+def test_in_memory_export_writes_scales_and_config_fragment(tmp_path):
+    model = nn.Sequential()
+    model.add_module("attn", Block().eval())
+    result = export_kv_scales(model, tmp_path, torch.randn(1, 4, 64))
+    assert not result.merged and sorted(p.name for p in tmp_path.iterdir()) == [
+        "kv_scales.safetensors", "quantization_config.json"]
+    assert sorted(result.tensors) == ["attn.k_scale", "attn.q_scale", "attn.v_scale"]
+    fragment = json.loads((tmp_path / "quantization_config.json").read_text())
+    assert fragment == {"quantization_config": quantization_config(KVExportOptions())}
+
+
+def test_refusals_write_nothing(tmp_path):
+    with pytest.raises(ValueError, match="out_dir is needed for an in-memory model"):
+        export_kv_scales(Block(), None, torch.randn(1, 4, 64))
+    with pytest.raises(ValueError, match="is not a module path of Block, so it names no"):
+        export_kv_scales(Block().eval(), tmp_path, torch.randn(1, 4, 64))   # the root module
+    with pytest.raises(ValueError, match=r"strategy='layer'; allowed values"):
+        export_kv_scales(Block(), tmp_path, torch.randn(1, 4, 64), strategy="layer")
+    assert list(tmp_path.iterdir()) == []
