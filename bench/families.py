@@ -144,7 +144,7 @@ def adversarial_inputs(model, inputs: dict) -> dict:
 def _spy_ratios(calls: list[Call], sites: list) -> list[float]:
     """observed max|S| / logit_bound per head of the supported sites, when calls and sites
     pair one to one in execution order (else nothing to pair)."""
-    from geoscale_fx.heads import site_logit_bound
+    from geoscale_fx.logit_bounds import site_logit_bound
 
     if len(calls) != len(sites):
         return []

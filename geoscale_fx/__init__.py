@@ -17,6 +17,8 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.restore_(model)                   # undo apply_: the plain model again
     geoscale_fx.plain_state_dict(model)           # the model's own keys, no geoscale state
     geoscale_fx.GeoscaleOptions                   # the options (validated)
+    geoscale_fx.GeometryRecipe(alpha=Alpha(...))  # the options as a recipe per strategy:
+    geoscale_fx.DelayedRecipe / CurrentRecipe / NoScalingRecipe   # wrap(model, recipe=...)
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
     geoscale_fx.bounds      bounds on |S| and the paper's α/γ calibration rule
@@ -33,9 +35,14 @@ _LAZY = {
     "bounds": ("geoscale_fx.bounds", None),
     "spectral": ("geoscale_fx.spectral", None),
     "find_attention": ("geoscale_fx.capture", "find_attention"),
-    "backend": ("geoscale_fx.compiler", "backend"),
-    "GeoscaleBackend": ("geoscale_fx.compiler", "GeoscaleBackend"),
+    "backend": ("geoscale_fx.dynamo_backend", "backend"),
+    "GeoscaleBackend": ("geoscale_fx.dynamo_backend", "GeoscaleBackend"),
     "GeoscaleOptions": ("geoscale_fx.config", "GeoscaleOptions"),
+    "Alpha": ("geoscale_fx.recipes", "Alpha"),
+    "GeometryRecipe": ("geoscale_fx.recipes", "GeometryRecipe"),
+    "DelayedRecipe": ("geoscale_fx.recipes", "DelayedRecipe"),
+    "CurrentRecipe": ("geoscale_fx.recipes", "CurrentRecipe"),
+    "NoScalingRecipe": ("geoscale_fx.recipes", "NoScalingRecipe"),
     "wrap": ("geoscale_fx.wrapper", "wrap"),
     "apply_": ("geoscale_fx.conversion", "apply_"),
     "save_state": ("geoscale_fx.serialization", "save_state"),

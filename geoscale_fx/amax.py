@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx import heads, spectral
+from geoscale_fx import head_weights, spectral
 from geoscale_fx.site_model import AttentionSite, Side
 
 __all__ = ["side_amax", "site_amax_bounds"]
@@ -32,7 +32,7 @@ def side_amax(side: Side, resolve) -> torch.Tensor:
     if side.observed:
         raise ValueError("keys read from a cache are bounded by their actual values when the "
                          "graph runs, not from the weights")
-    a, c = heads.side_heads(side, resolve)
+    a, c = head_weights.side_heads(side, resolve)
     c = None if c is None else c.detach().double()
     rho = side.radius
     if side.rotary is not None and not side.pairs:     # stacked rotations: the head's norm

@@ -24,8 +24,8 @@ from typing import Iterable
 from torch import nn
 
 from geoscale_fx.attach import attach_state
-from geoscale_fx.compiler import GeoscaleBackend, ParameterNames
 from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.dynamo_backend import GeoscaleBackend, ParameterNames
 
 __all__ = ["compile_blocks"]
 

@@ -7,7 +7,7 @@ Example::
     >>> sites = geoscale_fx.find_attention(layer, torch.randn(2, 10, 64))
     >>> [(s.name, s.kind, s.n_q_heads, s.supported) for s in sites]
     [('self_attn', 'mha', 4, True)]
-    >>> from geoscale_fx.heads import site_logit_bound
+    >>> from geoscale_fx.logit_bounds import site_logit_bound
     >>> site_logit_bound(sites[0]).shape
     torch.Size([4])
 """
@@ -59,8 +59,8 @@ def find_attention(model: torch.nn.Module | Any, *args, **kwargs) -> list[Attent
 
     ``args``/``kwargs`` are passed to the model as in a normal call. Each site says whether
     it could be analysed (``supported``) and why not (``reason``); supported sites are bound
-    to the model's current parameters (``heads.site_head_weights(site)``,
-    ``heads.site_logit_bound(site)``, ``amax.site_amax_bounds(site)``). Use
+    to the model's current parameters (``head_weights.site_head_weights(site)``,
+    ``logit_bounds.site_logit_bound(site)``, ``amax.site_amax_bounds(site)``). Use
     ``site.with_rope_bound("interaction")`` for the paper's (uncertified) RoPE bound.
     """
     sites: list[AttentionSite] = []

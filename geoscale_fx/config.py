@@ -20,6 +20,21 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: eta=0.5 only applies to scaling='geometry', got scaling='delayed'
+
+The recipe spelling (``geoscale_fx.recipes``: one object per strategy holding only its own
+fields) builds the same options; ``quantize`` ("scores" | "qkv") and ``kernel`` ("auto" |
+"fused" | "explicit") are the two choices ``lowering`` encodes ("fp8_qkv" is quantize="qkv").
+The constructor takes the flat keywords; ``from_recipe`` and ``from_kwargs(recipe=...)`` (what
+``backend``, ``wrap`` and ``apply_`` call) take a recipe, and ``.recipe`` gives it back::
+
+    >>> from geoscale_fx.recipes import Alpha, GeometryRecipe
+    >>> o = GeoscaleOptions.from_recipe(GeometryRecipe(alpha=Alpha("theory")), kernel="explicit")
+    >>> o == GeoscaleOptions(alpha="theory", lowering="explicit"), o.recipe.alpha.value
+    (True, 'theory')
+    >>> GeoscaleOptions.from_kwargs(recipe=GeometryRecipe(), eta=0.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: recipe=GeometryRecipe(...) and ['eta'] set the same options; set ['eta'] in the recipe or leave recipe= out
 """
 from __future__ import annotations
 
@@ -28,19 +43,21 @@ from typing import Optional, Union
 
 from geoscale_fx.bounds import FP8_MAX
 from geoscale_fx.fp8 import kv_format
+from geoscale_fx.recipes import (ALPHA_POLICIES, BACKEND_ROPE_BOUNDS, DELAYED_RECIPES,
+                                 ESTIMATORS, GRANULARITIES, RECIPE_KEYWORDS, RECIPES,
+                                 CurrentRecipe, DelayedRecipe, GeometryRecipe, NoScalingRecipe,
+                                 check_alpha, check_delta, check_eta, check_int, check_kappa,
+                                 check_one_of, check_quantile, recipe_of)
 
-__all__ = ["GeoscaleOptions", "BACKEND_ROPE_BOUNDS"]
+__all__ = ["GeoscaleOptions", "BACKEND_ROPE_BOUNDS", "lowering_of"]
 
 SCALINGS = ("geometry", "delayed", "current", "none")
-GRANULARITIES = ("head", "layer")
-ESTIMATORS = ("power", "exact")
-ALPHA_POLICIES = ("theory", "auto")
-DELAYED_RECIPES = ("paper", "te")
 LOWERINGS = ("auto", "fused", "explicit", "fp8_qkv")
+#: what is cast to FP8: the logits S ("scores") or the attention's operands q, k, v ("qkv")
+QUANTIZE = ("scores", "qkv")
+#: how a site whose logits are quantized is lowered ("auto": the plan decides per site)
+KERNELS = ("auto", "fused", "explicit")
 COMPILERS = ("inductor", "aot_eager", "eager")
-#: RoPE bounds the backend computes per step (the analysis' ``ROPE_BOUNDS`` also has
-#: "relative", an exact maximum over relative positions that is evaluated on the host only)
-BACKEND_ROPE_BOUNDS = ("norm_product", "interaction")
 
 #: options read only by the geometry policy (``scaling.GeometryScaling``, the fp8_qkv
 #: descales for eta and granularity)
@@ -100,6 +117,10 @@ class GeoscaleOptions:
                   ``geoscale_fx.fp8.KV_CACHE_FORMATS`` lists ("fp8", "fp8_e4m3", "fp8_e5m2",
                   "nvfp4"). Read by ``wrap`` and ``apply_``, which refuse it for a model without
                   Hugging Face ``generate``.
+
+    The recipe spelling: ``GeoscaleOptions.from_recipe(recipe, quantize=, kernel=, audit=,
+    compiler=, kv_cache=)`` with a recipe of ``geoscale_fx.recipes`` for scaling and the
+    options of its strategy; ``.recipe``, ``.quantize`` and ``.kernel`` read them back.
     """
 
     scaling: str = "geometry"
@@ -134,24 +155,18 @@ class GeoscaleOptions:
                               ("delayed_recipe", DELAYED_RECIPES),
                               ("rope_bound", BACKEND_ROPE_BOUNDS),
                               ("lowering", LOWERINGS), ("compiler", COMPILERS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, "
-                                 f"got {getattr(self, name)!r}")
-        _check_alpha("alpha", self.alpha, ALPHA_POLICIES)
-        _check_alpha("alpha0", self.alpha0, ("theory",))
-        if not isinstance(self.eta, (int, float)) or not 0.0 < self.eta <= 1.0:
-            raise ValueError(f"eta must be in (0, 1], got {self.eta!r}")
-        if not isinstance(self.delta, (int, float)) or not 0.0 < self.delta < 1.0:
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
-        _check_int("cold_start_iters", self.cold_start_iters, 1)
-        _check_int("power_iters", self.power_iters, 1)
-        _check_int("calib_steps", self.calib_steps, 1)
+            check_one_of(name, getattr(self, name), allowed)
+        check_alpha("alpha", self.alpha, ALPHA_POLICIES)
+        check_alpha("alpha0", self.alpha0, ("theory",))
+        check_eta("eta", self.eta)
+        check_delta("delta", self.delta)
+        check_int("cold_start_iters", self.cold_start_iters, 1)
+        check_int("power_iters", self.power_iters, 1)
+        check_int("calib_steps", self.calib_steps, 1)
         if self.history_len is not None:
-            _check_int("history_len", self.history_len, 1)
-        if not isinstance(self.quantile, (int, float)) or not 0.0 < self.quantile <= 1.0:
-            raise ValueError(f"quantile must be in (0, 1], got {self.quantile!r}")
-        if not isinstance(self.kappa, (int, float)) or self.kappa < 1.0:
-            raise ValueError(f"kappa must be >= 1 (a safety multiplier), got {self.kappa!r}")
+            check_int("history_len", self.history_len, 1)
+        check_quantile("quantile", self.quantile)
+        check_kappa("kappa", self.kappa)
         if self.kv_cache is not None:
             kv_format(self.kv_cache)
         self._cross_validate()
@@ -186,23 +201,26 @@ class GeoscaleOptions:
             self._check_fp8_qkv()
         if self.lowering == "fused" and self.materializes_scores:
             reason = "audit=True" if self.audit else f"scaling={self.scaling!r}"
-            raise ValueError(f"lowering='fused' never materializes the scores, but {reason} "
-                             "observes max|S| every step; use lowering='auto' or 'explicit'")
+            raise ValueError("lowering='fused' (kernel='fused') never materializes the "
+                             f"scores, but {reason} observes max|S| every step; use "
+                             "lowering='auto' or 'explicit'")
 
     def _check_fp8_qkv(self) -> None:
         if self.scaling != "geometry":
-            raise ValueError("lowering='fp8_qkv' predicts the q/k/v scales from the "
-                             f"weights; it needs scaling='geometry', got "
+            raise ValueError("lowering='fp8_qkv' (quantize='qkv') predicts the q/k/v scales "
+                             "from the weights; it needs scaling='geometry', got "
                              f"scaling={self.scaling!r}")
         if self.audit or self.alpha == "auto":
             reason = "audit=True" if self.audit else "alpha='auto'"
-            raise ValueError(f"lowering='fp8_qkv' never materializes the logits, but "
-                             f"{reason} observes them; use lowering='auto' or 'explicit'")
+            raise ValueError("lowering='fp8_qkv' (quantize='qkv') never materializes the "
+                             f"logits, but {reason} observes them; use lowering='auto' or "
+                             "'explicit'")
         for name in _LOGIT_BOUND_ONLY:
             if self._changed(name):
                 raise ValueError(f"{name}={getattr(self, name)!r} sets the logit bound, which "
-                                 "lowering='fp8_qkv' does not use (its descales come from the "
-                                 "q/k/v amax bounds; sites that fall back keep the certified "
+                                 "lowering='fp8_qkv' (quantize='qkv') does not use (its "
+                                 "descales come from the q/k/v amax bounds; sites that fall "
+                                 "back keep the certified "
                                  "defaults); use lowering='auto' or 'explicit'")
 
     def _changed(self, name: str) -> bool:
@@ -246,28 +264,125 @@ class GeoscaleOptions:
     def replace(self, **changes) -> "GeoscaleOptions":
         return replace(self, **changes)
 
+    @property
+    def quantize(self) -> str:
+        """What is cast to FP8: "qkv" under lowering="fp8_qkv", else "scores"."""
+        return "qkv" if self.lowering == "fp8_qkv" else "scores"
+
+    @property
+    def kernel(self) -> str:
+        """How a logit site is lowered: lowering itself, "auto" under lowering="fp8_qkv"."""
+        return "auto" if self.lowering == "fp8_qkv" else self.lowering
+
+    @property
+    def recipe(self):
+        """The scaling recipe these options spell (``geoscale_fx.recipes``); with
+        ``quantize``, ``kernel``, ``audit``, ``compiler`` and ``kv_cache`` it rebuilds them:
+        ``GeoscaleOptions.from_recipe(o.recipe, quantize=o.quantize, ...) == o``."""
+        return recipe_of(self)
+
+    @classmethod
+    def from_recipe(cls, recipe, *, quantize: str = "scores", kernel: str = "auto",
+                    audit: bool = False, compiler: str = "inductor",
+                    kv_cache: Optional[str] = None) -> "GeoscaleOptions":
+        """The options of ``recipe`` (a ``GeometryRecipe``, ``DelayedRecipe``,
+        ``CurrentRecipe`` or ``NoScalingRecipe``) with what is not a strategy: quantize
+        ("scores" | "qkv"), kernel ("auto" | "fused" | "explicit"), audit, compiler, kv_cache.
+        A combination that cannot take effect is a ValueError naming the options."""
+        return cls._from_recipe(recipe, quantize, kernel, audit, compiler, kv_cache,
+                                (f"quantize={quantize!r}", f"kernel={kernel!r}"))
+
+    @classmethod
+    def _from_recipe(cls, recipe, quantize, kernel, audit, compiler, kv_cache, labels):
+        if not isinstance(recipe, RECIPES):
+            raise ValueError(f"recipe must be one of {[c.__name__ for c in RECIPES]}, "
+                             f"got {recipe!r}")
+        lowering = lowering_of(quantize, kernel)
+        if not isinstance(audit, bool):
+            raise ValueError(f"audit must be True or False, got {audit!r}")
+        _check_recipe_use(recipe, quantize, kernel, audit, *labels)
+        return cls(**recipe.flat(), lowering=lowering, audit=audit, compiler=compiler,
+                   kv_cache=kv_cache)
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "GeoscaleOptions":
-        """Options from keyword arguments, with a clear error for an unknown one."""
-        known = {f.name for f in fields(cls)}
+        """Options from keyword arguments, with a clear error for an unknown one.
+
+        The flat keywords of ``GeoscaleOptions``, ``quantize=`` / ``kernel=`` for
+        ``lowering=``, and ``recipe=`` for the strategy's keywords (then as
+        ``from_recipe``). A recipe and a keyword it spells (alpha, eta, ...), or lowering and
+        quantize / kernel, are a ValueError naming both."""
+        known = {f.name for f in fields(cls)} | {"recipe", "quantize", "kernel"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown geoscale option(s) {unknown}; known: {sorted(known)}")
-        return cls(**kwargs)
+        split = sorted({"quantize", "kernel"} & set(kwargs))
+        if "lowering" in kwargs and split:
+            raise ValueError(f"lowering={kwargs['lowering']!r} and {split} choose the same "
+                             "thing (lowering='fp8_qkv' is quantize='qkv', the others "
+                             "kernel=...); set quantize= and kernel= only")
+        if "recipe" not in kwargs:
+            if split:
+                kwargs["lowering"] = lowering_of(kwargs.pop("quantize", "scores"),
+                                                 kwargs.pop("kernel", "auto"))
+            return cls(**kwargs)
+        recipe = kwargs.pop("recipe")
+        clash = sorted(set(kwargs) & RECIPE_KEYWORDS)
+        if clash:
+            raise ValueError(f"recipe={type(recipe).__name__}(...) and {clash} set the same "
+                             f"options; set {clash} in the recipe or leave recipe= out")
+        labels = (f"quantize={kwargs.get('quantize', 'scores')!r}",
+                  f"kernel={kwargs.get('kernel', 'auto')!r}")
+        if "lowering" in kwargs:
+            lowering = kwargs.pop("lowering")
+            check_one_of("lowering", lowering, LOWERINGS)
+            kwargs["quantize"] = "qkv" if lowering == "fp8_qkv" else "scores"
+            kwargs["kernel"] = "auto" if lowering == "fp8_qkv" else lowering
+            labels = (f"lowering={lowering!r}",) * 2
+        return cls._from_recipe(recipe, kwargs.pop("quantize", "scores"),
+                                kwargs.pop("kernel", "auto"), kwargs.pop("audit", False),
+                                kwargs.pop("compiler", "inductor"), kwargs.pop("kv_cache", None),
+                                labels)
 
 
 _DEFAULTS = {f.name: f.default for f in fields(GeoscaleOptions)}
 
 
-def _check_alpha(name: str, value, policies) -> None:
-    if isinstance(value, str):
-        if value not in policies:
-            raise ValueError(f"{name} must be a positive number or one of {policies}, "
-                             f"got {value!r}")
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number or one of {policies}, got {value!r}")
+def lowering_of(quantize: str, kernel: str) -> str:
+    """The ``lowering`` of a (quantize, kernel) pair: "fp8_qkv" for quantize="qkv" (whose
+    kernel, FlashAttention-3's FP8 attention or its emulation, is chosen per site: kernel
+    "auto"), else the kernel."""
+    check_one_of("quantize", quantize, QUANTIZE)
+    check_one_of("kernel", kernel, KERNELS)
+    if quantize == "qkv" and kernel != "auto":
+        raise ValueError(f"quantize='qkv' runs FP8 attention on q, k, v (FlashAttention-3's "
+                         f"kernel or its emulation, chosen per site); kernel={kernel!r} "
+                         "chooses how quantized logits are lowered; use kernel='auto' with "
+                         "quantize='qkv'")
+    return "fp8_qkv" if quantize == "qkv" else kernel
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _check_recipe_use(recipe, quantize: str, kernel: str, audit: bool, q_label: str,
+                      k_label: str) -> None:
+    """A recipe against what is quantized, the kernel and audit: each refusal names both."""
+    name = f"recipe={type(recipe).__name__}(...)"
+    if audit and isinstance(recipe, NoScalingRecipe):
+        raise ValueError(f"audit=True counts FP8 overflows, but {name} casts nothing to FP8")
+    if quantize == "qkv":
+        if not isinstance(recipe, GeometryRecipe):
+            raise ValueError(f"{q_label} predicts the q/k/v scales from the weights; it needs "
+                             f"recipe=GeometryRecipe(...), got {name}")
+        if audit or recipe.alpha.value == "auto":
+            reason = "audit=True" if audit else "GeometryRecipe.alpha=Alpha('auto')"
+            raise ValueError(f"{q_label} never materializes the logits, but {reason} "
+                             "observes them; use quantize='scores'")
+        default = GeometryRecipe()
+        for field in _LOGIT_BOUND_ONLY:
+            if getattr(recipe, field) != getattr(default, field):
+                raise ValueError(f"GeometryRecipe.{field}={getattr(recipe, field)!r} sets the "
+                                 f"logit bound, which {q_label} does not use (its descales "
+                                 "come from the q/k/v amax bounds); use quantize='scores'")
+    if kernel == "fused" and (audit or isinstance(recipe, (DelayedRecipe, CurrentRecipe))):
+        reason = "audit=True" if audit else name
+        raise ValueError(f"{k_label} never materializes the scores, but {reason} observes "
+                         "max|S| every step; use kernel='auto' or 'explicit'")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx import heads, spectral
+from geoscale_fx import head_weights, logit_bounds, spectral
 from geoscale_fx.site_model import HeadWeights, Term
 from geoscale_fx.state import StateSpec
 
@@ -114,7 +114,7 @@ class ExactSigma(Estimator):
     def bound(self, hw, state):
         sigma = self._sigma(hw)
         state[self.name("sigma")].copy_(sigma)
-        return heads.sigma_bound(self.term, hw, sigma, self.softmax_scale)
+        return logit_bounds.sigma_bound(self.term, hw, sigma, self.softmax_scale)
 
 
 class PowerSigma(ExactSigma):
@@ -136,7 +136,7 @@ class PowerSigma(ExactSigma):
         sigma = torch.maximum(self._step(hw, state, self.iters).double(), floor.double())
         floor.zero_()  # the exact floor holds for the cold-start step only
         state[self.name("sigma")].copy_(sigma)
-        return heads.sigma_bound(self.term, hw, sigma, self.softmax_scale)
+        return logit_bounds.sigma_bound(self.term, hw, sigma, self.softmax_scale)
 
     def cold_start(self, hw, state, generator=None):
         u, v = state[self.name("u")], state[self.name("v")]
@@ -158,7 +158,7 @@ class ExactNormProduct(Estimator):
     def _bound(self, nq: torch.Tensor, nk: torch.Tensor, hw, state) -> torch.Tensor:
         group = nq.shape[0] // nk.shape[0]
         state[self.name("norm_product")].copy_(nq * nk.repeat_interleave(group))
-        return heads.norm_product_bound(self.term, hw, nq, nk, self.softmax_scale)
+        return logit_bounds.norm_product_bound(self.term, hw, nq, nk, self.softmax_scale)
 
     def bound(self, hw, state):
         return self._bound(spectral.head_spectral_norms(hw.a_q),
@@ -266,7 +266,7 @@ class ExactObservedKeys(ExactNormProduct):
             self._query_factor(self._query_norms(hw, state), hw))
 
     def reuse(self, values, state):
-        keys, _ = heads.observed_heads(self.term.k, values.__getitem__)
+        keys, _ = head_weights.observed_heads(self.term.k, values.__getitem__)
         return self._with_keys(state[self.name("query_factor")].double(),
                                self._key_norms(keys.reshape(-1), state), state)
 

@@ -16,8 +16,8 @@ NAME`` (also ``--size full``).
 
 One row per attention site, in forward order: where it is, what the analysis found, and for a
 supported site with weights σ = max_h ‖A_q,h A_k,g(h)ᵀ‖₂ (unrotated), "bound" = max_h of its
-bound on |S| (``heads.site_logit_bound(site)``, with ``--rope-bound``) and whether that bound is
-certified; a site left alone says why in "reason".
+bound on |S| (``logit_bounds.site_logit_bound(site)``, with ``--rope-bound``) and whether that
+bound is certified; a site left alone says why in "reason".
 
 Example::
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from geoscale_fx import heads, hf_configs, spectral
+from geoscale_fx import head_weights, hf_configs, logit_bounds, spectral
 from geoscale_fx.capture import find_attention
 from geoscale_fx.hf_configs import token_inputs
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
@@ -141,7 +141,7 @@ def load_model_type(model_type: str, *, batch: int = 1, seq_len: int = 32,
 def _sigma(site: AttentionSite) -> float:
     """max_h σ_h over the site's terms, σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂ of the weights as they are."""
     return max(float(spectral.per_head_sigma_exact(hw.a_q, hw.a_k).max())
-               for hw in heads.site_term_weights(site))
+               for hw in head_weights.site_term_weights(site))
 
 
 def _bound_columns(site: AttentionSite, with_bounds: bool) -> dict:
@@ -149,7 +149,7 @@ def _bound_columns(site: AttentionSite, with_bounds: bool) -> dict:
         return {"σ": None, "bound": None, "certified": None}
     if not with_bounds:
         return {"σ": NO_WEIGHTS, "bound": NO_WEIGHTS, "certified": NO_WEIGHTS}
-    bound = float(heads.site_logit_bound(site).max())
+    bound = float(logit_bounds.site_logit_bound(site).max())
     return {"σ": f"{_sigma(site):.4g}", "bound": f"{bound:.4g}", "certified": site.certified}
 
 

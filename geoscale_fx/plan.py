@@ -29,7 +29,7 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.qkv_attention import fa3_available
 from geoscale_fx.qkv_scaling import OperandScaling
 from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
-from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.site_model import AttentionSite, is_certified
 from geoscale_fx.state import StateSpec
 
 __all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant", "reuse_variant",
@@ -89,14 +89,8 @@ class SitePlan:
 
     @property
     def certified(self) -> bool:
-        """A proof, when the exact route ran and α ≥ 1: per head, every term certified."""
-        opt = self.options
-        if self.lowering == "fp8_qkv":   # the q/k/v amax bounds are exact, α does not apply
-            return self.site.supported
-        assumed = self.site.rope and opt.rope_bound == "interaction"   # the paper's, for RoPE
-        return (self.site.certified and not assumed and opt.scaling == "geometry"
-                and opt.granularity == "head" and isinstance(opt.alpha, (int, float))
-                and opt.alpha >= 1.0)
+        """A proof, when the exact route runs: ``is_certified(site, options, lowering)``."""
+        return is_certified(self.site, self.options, self.lowering)
 
     def state_specs(self) -> list[StateSpec]:
         if self.lowering == "fp8_qkv":

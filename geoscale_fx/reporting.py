@@ -28,7 +28,9 @@ from torch import nn
 
 from geoscale_fx import bounds
 from geoscale_fx.attach import geoscale_call
-from geoscale_fx.compiler import _BACKENDS, GeoscaleBackend, SiteRecord
+from geoscale_fx.backend_registry import BACKENDS
+from geoscale_fx.dynamo_backend import GeoscaleBackend, SiteRecord
+from geoscale_fx.site_model import is_certified
 
 __all__ = ["Report", "report", "site_records"]
 
@@ -78,7 +80,7 @@ def site_records(model: Any) -> tuple[list[SiteRecord], list[SiteRecord]]:
     params = list(inner.parameters()) + list(inner.buffers()) if isinstance(
         inner, nn.Module) else []
     done, skipped = [], []
-    for be in list(_BACKENDS):
+    for be in BACKENDS.live():
         done += [r for r in be.records.values() if r.belongs_to(params)]
         # a site with no parameter upstream cannot be attributed: shown for every model
         skipped += [r for r in be.skipped if r.belongs_to(params) or not len(r.owners)]
@@ -95,11 +97,9 @@ def kv_cache_manager(model: Any):
 
 
 def _certified(record: SiteRecord) -> bool:
-    """The last scale came from a proof: a certified plan (per head, every term certified,
-    α ≥ 1) and the exact route (every step, or the cold-start step)."""
-    opt = record.plan.options
-    exact = opt.estimator == "exact" or float(record.state.steps) <= 1
-    return record.plan.certified and exact
+    """The last scale came from a proof (``site_model.is_certified`` with the step count)."""
+    plan = record.plan
+    return is_certified(plan.site, plan.options, plan.lowering, record.state.steps)
 
 
 def _qkv_rows(record: SiteRecord, per_head: bool) -> list[dict]:
@@ -123,7 +123,7 @@ def _qkv_rows(record: SiteRecord, per_head: bool) -> list[dict]:
             "overflow_steps": int(values["overflow_steps"]),
             "utilization": last / bounds.fp8_max(plan.options.fp8_format),
             "steps": int(values["steps"]), "cached_steps": int(values["cached_steps"]),
-            "certified": plan.certified,
+            "certified": _certified(record),
         })
     return rows
 

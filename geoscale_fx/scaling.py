@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx import bounds, heads
+from geoscale_fx import bounds, head_weights, logit_bounds
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.estimators import Estimator, make_estimator
@@ -200,7 +200,7 @@ class GeometryScaling(ScalingPolicy):
     def _term_weights(self, weights: dict) -> list:
         resolve = {k: v.detach() if isinstance(v, torch.Tensor) else v
                    for k, v in weights.items()}.__getitem__
-        return [heads.term_head_weights(t, resolve) for t in self.site.terms]
+        return [head_weights.term_head_weights(t, resolve) for t in self.site.terms]
 
     def predict(self, weights, state, seq_len, reuse: bool = False):
         if reuse:   # the weights' part kept by the last refresh: nothing recomputed from them
@@ -210,8 +210,8 @@ class GeometryScaling(ScalingPolicy):
         else:
             hws = self._term_weights(weights)
             total = sum(e.full_step(hw, state) for e, hw in zip(self.estimators, hws))
-        bound = heads.apply_modifiers(total, self.site.modifiers,
-                                      lambda name: weights[name].detach())
+        bound = logit_bounds.apply_modifiers(total, self.site.modifiers,
+                                             lambda name: weights[name].detach())
         torch._assert_async(torch.isfinite(bound).all(),
                             f"{NON_FINITE_TAG} in attention site '{self.site.name}' "
                             f"(parameters {', '.join(self.site.param_names)})")

@@ -8,26 +8,30 @@ Each side of a term is a normalized ``Source`` (``‖x̂‖ ≤ radius``) mapped
 ``q_h = R(A_hᵀ x̂ + c_h)`` with ``A_h = diag(gain) · W[:, features[h]]``, ``c_h`` from the
 offset and bias, and ``R`` an optional rotation (RoPE). Today's sites are one term; a
 multi-term logit (MLA's latent part plus its decoupled RoPE part) is several, and its bound
-is the sum of the terms' bounds, pushed through the modifiers (``geoscale_fx.heads``).
+is the sum of the terms' bounds, pushed through the modifiers (``geoscale_fx.logit_bounds``).
 
 Graph nodes are referred to by name (names are unique within a graph and survive
 ``copy.deepcopy`` of the GraphModule), so a site can be matched against the graph the backend
 rewrites. This module is data only (it imports no numerics): tensor-valued questions are
 answered from the current parameter values, through the resolver bound at analysis time, by
-functions of the numerics modules — ``heads.site_term_weights(site)``,
-``heads.site_head_weights(site)``, ``heads.site_logit_bound(site)``,
-``amax.site_amax_bounds(site)``.
+functions of the numerics modules — ``head_weights.site_term_weights(site)``,
+``head_weights.site_head_weights(site)``, ``logit_bounds.site_logit_bound(site)``,
+``amax.site_amax_bounds(site)``. Whether a bound is a proof is decided here, once:
+``is_certified``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+if TYPE_CHECKING:
+    from geoscale_fx.config import GeoscaleOptions
+
 __all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "AttentionSite",
-           "ROPE_BOUNDS", "MODIFIER_KINDS"]
+           "ROPE_BOUNDS", "MODIFIER_KINDS", "is_certified"]
 
 #: How a RoPE site's logits are bounded: "norm_product" (certified, default),
 #: "relative" (certified, exact max over relative positions) or "interaction" (the paper's
@@ -296,8 +300,9 @@ class AttentionSite:
 
     @property
     def certified(self) -> bool:
-        """Whether ``heads.site_logit_bound(site)`` is a proof (False: an assumption)."""
-        return self.supported and not (self.rope and self.rope_bound == "interaction")
+        """Whether ``logit_bounds.site_logit_bound(site)`` is a proof (False: an
+        assumption): ``is_certified(site)``."""
+        return is_certified(self)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -350,9 +355,48 @@ class AttentionSite:
 
     def require_values(self) -> None:
         """Raise ``ValueError`` unless the site is supported and bound to parameter values
-        (what the numerics — ``heads.site_logit_bound``, ``amax.site_amax_bounds`` — need)."""
+        (what the numerics — ``logit_bounds.site_logit_bound``, ``amax.site_amax_bounds`` —
+        need)."""
         if not self.supported:
             raise ValueError(f"attention site {self.name!r} ({self.node}) is not supported: "
                              f"{self.reason}")
         if self._resolve is None:
             raise ValueError(f"attention site {self.name!r} is not bound to parameter values")
+
+
+def is_certified(site: AttentionSite, options: Optional["GeoscaleOptions"] = None,
+                 lowering: str = "", steps: Optional[object] = None) -> bool:
+    """Whether a bound, or the scale derived from it, is a proof (False: an assumption).
+
+    The one definition of "certified"; each caller passes the facts it has, and each fact
+    given can only withdraw the claim:
+
+    * the site (``AttentionSite.certified``): supported, and its logit bound not the paper's
+      position-independent RoPE bound (``site.rope_bound == "interaction"``);
+    * the plan (``SitePlan.certified``: ``options`` and the plan's ``lowering``): with
+      ``"fp8_qkv"`` the q/k/v amax bounds are exact and α does not apply, so a supported site
+      is certified whatever else holds; otherwise the scaling's RoPE bound is not
+      ``"interaction"`` either, and the scale is the bound itself, per head: geometry
+      scaling, ``granularity="head"``, a numeric ``α ≥ 1``;
+    * the step (``report``: ``steps``, the site's step counter): the exact route ran —
+      ``estimator="exact"``, or the cold-start step (``steps ≤ 1``).
+
+    >>> site = AttentionSite(name="a", index=0, kind="sdpa", node="n", supported=True)
+    >>> is_certified(site), is_certified(replace(site, supported=False))
+    (True, False)
+    """
+    if not site.supported:
+        return False
+    if options is not None and lowering == "fp8_qkv":
+        return True
+    if site.rope and site.rope_bound == "interaction":
+        return False
+    if options is None:
+        return True
+    if site.rope and options.rope_bound == "interaction":
+        return False
+    per_head_proof = (options.scaling == "geometry" and options.granularity == "head"
+                      and isinstance(options.alpha, (int, float)) and options.alpha >= 1.0)
+    if not per_head_proof:
+        return False
+    return steps is None or options.estimator == "exact" or float(steps) <= 1

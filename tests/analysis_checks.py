@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.fx import Interpreter
 
 from geoscale_fx.capture import capture_graphs
-from geoscale_fx.heads import site_head_weights, site_logit_bound, site_term_weights
+from geoscale_fx.head_weights import site_head_weights, site_term_weights
+from geoscale_fx.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import arg, matmul_operands, op_of
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import geoscale_fx
-from geoscale_fx import amax, heads
+from geoscale_fx import amax, logit_bounds
 
 NORMS = ("layernorm", "rmsnorm", "rms_decomposed", "gemma", "pow", "none")
 PROJECTIONS = ("separate", "fused_chunk", "fused_interleaved", "mla", "lora_q", "lora_v")
@@ -503,7 +503,7 @@ def _observed(form: Form, ops: dict) -> dict:
 
 def site_bounds(site, roles: str) -> tuple[torch.Tensor, dict]:
     """``(logit bound (n_q,), {role: amax bound})`` from the library's numerics."""
-    return heads.site_logit_bound(site), amax.site_amax_bounds(site, roles=roles)
+    return logit_bounds.site_logit_bound(site), amax.site_amax_bounds(site, roles=roles)
 
 
 def _check_bounds(model, x, site, result, steps, factor, tol) -> torch.Tensor:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.heads import site_head_weights, site_logit_bound
+from geoscale_fx.head_weights import site_head_weights
+from geoscale_fx.logit_bounds import site_logit_bound
 from tests.attention_variants import D, VARIANTS
 from tests.hf_models import HF_MODELS, build_hf
 
@@ -432,7 +433,7 @@ def test_inductor_end_to_end_fused_inference():
 # --------------------------------------------------------------------------------------
 
 def test_geoscale_is_a_registered_torch_compile_backend():
-    from geoscale_fx.compiler import geoscale_backend
+    from geoscale_fx.dynamo_backend import geoscale_backend
 
     assert "geoscale" in torch._dynamo.list_backends()
     assert torch._dynamo.lookup_backend("geoscale") is geoscale_backend

@@ -8,6 +8,11 @@ number, alpha 1.0 / 0.5 / "theory" / "auto", every ``kv_cache`` format that
   product of the options that constrain one another (``_CORE``): each constructs, or raises a
   ``ValueError`` naming an option the combination changed. The full product of all twenty
   options (~10⁸) is out of reach; every rule of ``GeoscaleOptions`` involves at most three.
+* the recipe spelling, over the same combinations: an accepted one spelled as a recipe
+  (``tests.test_recipes.recipe_spelling``: recipe, quantize / kernel for lowering, the other
+  keywords beside) gives equal options, and ``.recipe`` / ``.quantize`` / ``.kernel`` give the
+  spelling back; a refused one is refused in the recipe spelling too, naming an option it set,
+  or cannot be written (it sets an option of another strategy).
 * effect, over every accepted combination of up to two changed options: the backend runs a
   small RoPE block (three prefill steps with weight updates between them, auto-α frozen, then
   a one-query step) and every changed option must change its fingerprint (plans, state,
@@ -33,6 +38,7 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.fp8 import KV_CACHE_FORMATS
 from tests.attention_variants import DH, D, H, Block
 from tests.hf_models import build_hf
+from tests.test_recipes import SPELLED_AS, recipe_spelling
 
 DEFAULTS = {f.name: f.default for f in fields(GeoscaleOptions)}
 
@@ -127,6 +133,59 @@ def test_full_product_of_the_interacting_options():
               for values in itertools.product(*(VALUES[k] for k in _CORE)))
     accepted, refused = _check_all(combos)
     assert accepted > 100 and refused > 10_000
+
+
+def _recipe_names(kwargs: dict) -> list[str]:
+    """The names a refusal of ``kwargs``' recipe spelling may give: what it changed."""
+    names = []
+    for k, v in kwargs.items():
+        if v == DEFAULTS[k]:
+            continue
+        spelled = {"scaling": ["recipe"], "lowering": ["quantize", "kernel", "lowering"]}
+        names += spelled[k] if k in spelled else [SPELLED_AS[k][1]]
+    return names
+
+
+def _check_recipe_spelling(combinations) -> dict:
+    """For each flat combination: its recipe spelling is accepted exactly when it is, with
+    equal options that read the spelling back, or it cannot be written as a recipe."""
+    seen = {"accepted": 0, "refused": 0, "unwritable": 0}
+    for kwargs in combinations:
+        error = _refusal(kwargs)
+        try:
+            spelled = recipe_spelling(kwargs)
+            if spelled is not None:
+                options = GeoscaleOptions.from_kwargs(**spelled)
+        except ValueError as recipe_error:
+            assert error is not None, (kwargs, str(recipe_error))
+            names = "|".join(_recipe_names(kwargs))
+            assert re.search(rf"\b({names})\b", str(recipe_error)), (kwargs, str(recipe_error))
+            seen["refused"] += 1
+            continue
+        if spelled is None:
+            assert error is not None, kwargs
+            seen["unwritable"] += 1
+            continue
+        assert error is None, (kwargs, spelled, str(error))
+        assert options == GeoscaleOptions(**kwargs), (kwargs, spelled)
+        assert options.recipe == spelled["recipe"]
+        assert (options.quantize, options.kernel) == (spelled.get("quantize", "scores"),
+                                                      spelled.get("kernel", "auto"))
+        seen["accepted"] += 1
+    return seen
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5])
+def test_every_combination_spelled_as_a_recipe_is_equal_or_refused(n):
+    seen = _check_recipe_spelling(_changes(n))
+    assert seen["accepted"] > 0 and (seen["refused"] + seen["unwritable"] > 0 or n == 0)
+
+
+def test_full_product_spelled_as_a_recipe():
+    combos = (dict(zip(_CORE, values))
+              for values in itertools.product(*(VALUES[k] for k in _CORE)))
+    seen = _check_recipe_spelling(combos)
+    assert seen["accepted"] > 100 and seen["refused"] > 1000 and seen["unwritable"] > 1000
 
 
 @pytest.mark.parametrize("kwargs, names", [

@@ -210,7 +210,7 @@ def test_tensor_parallel_trains_like_one_process():
 def _tp_per_layer_placements_collectives(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import geoscale_fx.compiler as backend_module   # compiles a graph with its aot_eager
+    import geoscale_fx.dynamo_backend as backend_module   # compiles a graph with its aot_eager
 
     mesh = init_device_mesh("cpu", (world,))
     x = _tokens(2)

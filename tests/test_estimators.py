@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoscale_fx import heads
+from geoscale_fx import head_weights
 from geoscale_fx.estimators import (
     ExactNormProduct, ExactObservedKeys, ExactSigma, PowerNormProduct, PowerObservedKeys,
     PowerSigma, make_estimator,
@@ -107,7 +107,7 @@ def test_observed_keys_bound_uses_the_keys_actual_norms_and_keeps_a_running_maxi
     assert est.running_state == "key_norm_max"
     assert {s.name for s in est.specs()} == {"norm_product", "query_factor", "key_norm_max"}
     hw = _weights(5)
-    a_k, _ = heads.observed_heads(term.k, {"fresh": keys}.__getitem__)
+    a_k, _ = head_weights.observed_heads(term.k, {"fresh": keys}.__getitem__)
     hw = HeadWeights(hw.a_q, None, a_k, None)
     state = _state(est)
     bound = est.bound(hw, state)
@@ -116,7 +116,7 @@ def test_observed_keys_bound_uses_the_keys_actual_norms_and_keeps_a_running_maxi
     expected = 0.5 * (D ** 0.5 * nq) * key_max.repeat_interleave(GROUP)
     torch.testing.assert_close(bound, expected, rtol=1e-6, atol=0)
     # a later call with smaller new keys: the running maximum still covers the earlier ones
-    small, _ = heads.observed_heads(term.k, {"fresh": keys * 0.1}.__getitem__)
+    small, _ = head_weights.observed_heads(term.k, {"fresh": keys * 0.1}.__getitem__)
     again = est.bound(HeadWeights(hw.a_q, None, small, None), state)
     torch.testing.assert_close(again, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(state["key_norm_max"], key_max, rtol=1e-6, atol=0)

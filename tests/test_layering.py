@@ -28,15 +28,17 @@ LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
     "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
-    "site_model": DATA, "config": DATA, "state": DATA, "layer_scales": DATA,
+    "site_model": DATA, "recipes": DATA, "config": DATA, "state": DATA, "layer_scales": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
-    "heads": NUMERICS, "rope": NUMERICS, "amax": NUMERICS, "estimators": NUMERICS,
+    "head_weights": NUMERICS, "relative_rope_bound": NUMERICS, "logit_bounds": NUMERICS,
+    "amax": NUMERICS, "estimators": NUMERICS,
     "distributed": NUMERICS, "attention": NUMERICS, "qkv_attention": NUMERICS,
     # policies and planning
     "scaling": POLICIES, "qkv_scaling": POLICIES, "plan": POLICIES,
     # analysis: FX passes that find and describe sites, and the capture that runs them
-    "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.track": ANALYSIS,
-    "passes.rotary": ANALYSIS, "passes.dtensor": ANALYSIS, "passes.tracking": ANALYSIS,
+    "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.index_track": ANALYSIS,
+    "passes.rotary_replay": ANALYSIS, "passes.dtensor": ANALYSIS,
+    "passes.index_replay": ANALYSIS,
     "passes.normalization": ANALYSIS, "passes.provenance": ANALYSIS,
     "passes.find_sites": ANALYSIS, "passes.cached_keys": ANALYSIS, "passes.evaluate": ANALYSIS,
     "passes.fp8_cache_reads": ANALYSIS, "passes.analyze": ANALYSIS, "capture": ANALYSIS,
@@ -50,8 +52,8 @@ LAYERS = {
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
     "passes.rewrite": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
     "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,
-    # the backend
-    "compiler": BACKEND,
+    # the backend, and the registry of live backends that the report reads
+    "dynamo_backend": BACKEND, "backend_registry": BACKEND,
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)
     "attach": ATTACH,
     # the report reads the backend's records; entry points expose it (GeoscaleModule.report)
@@ -81,7 +83,7 @@ REPOSITORY_TOOLS = {"models_zoo", "bench"}
 @dataclass(frozen=True)
 class Import:
     module: str        # importing module, relative to the package ("passes.rewrite")
-    target: str        # imported module, absolute ("geoscale_fx.heads", "torch.fx")
+    target: str        # imported module, absolute ("geoscale_fx.logit_bounds", "torch.fx")
     line: int
     top: bool          # a statement of the module body itself
 
@@ -103,8 +105,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 def _targets(node: ast.stmt, module: str, is_package: bool, known: set[str]) -> list[str]:
     """Absolute names of the modules ``node`` imports, each once: ``from geoscale_fx import
-    heads`` imports the module ``geoscale_fx.heads``, ``from geoscale_fx.heads import f, g``
-    the module ``geoscale_fx.heads``."""
+    logit_bounds`` imports the module ``geoscale_fx.logit_bounds``, ``from
+    geoscale_fx.logit_bounds import f, g`` the module ``geoscale_fx.logit_bounds``."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     base = node.module or ""
@@ -270,18 +272,18 @@ def test_every_lazy_third_party_reason_is_still_used():
 
 
 def test_the_import_scan_sees_nested_and_type_checking_imports():
-    known = {"geoscale_fx", "geoscale_fx.heads", "geoscale_fx.passes",
+    known = {"geoscale_fx", "geoscale_fx.logit_bounds", "geoscale_fx.passes",
              "geoscale_fx.passes.graph_ops"}
-    source = ("from typing import TYPE_CHECKING\nfrom geoscale_fx import heads\n"
+    source = ("from typing import TYPE_CHECKING\nfrom geoscale_fx import logit_bounds\n"
               "from . import graph_ops\nif TYPE_CHECKING:\n    import geoscale_fx.cli\n"
               "else:\n    import os\nclass C:\n    import json\n"
-              "def f():\n    from geoscale_fx.heads import g\n")
+              "def f():\n    from geoscale_fx.logit_bounds import g\n")
     found = _imports("passes.x", source, False, known)
     assert [(i.target, i.line, i.top) for i in found] == [
-        ("typing", 1, True), ("geoscale_fx.heads", 2, True),
+        ("typing", 1, True), ("geoscale_fx.logit_bounds", 2, True),
         ("geoscale_fx.passes.graph_ops", 3, True), ("os", 7, False), ("json", 9, False),
-        ("geoscale_fx.heads", 11, False)]
-    assert _nested_internal(found) == ["passes.x:11 imports geoscale_fx.heads"]
+        ("geoscale_fx.logit_bounds", 11, False)]
+    assert _nested_internal(found) == ["passes.x:11 imports geoscale_fx.logit_bounds"]
 
 
 def test_package_inits_import_nothing_of_the_package():
@@ -304,9 +306,9 @@ def test_no_module_imports_a_higher_layer():
 
 
 def test_a_higher_layer_import_is_reported():
-    imports = [Import("heads", "geoscale_fx.compiler", 1, True),
-               Import("compiler", "geoscale_fx.heads", 2, True)]
-    assert _upward(imports) == ["heads (numerics) imports compiler (backend)"]
+    imports = [Import("logit_bounds", "geoscale_fx.dynamo_backend", 1, True),
+               Import("dynamo_backend", "geoscale_fx.logit_bounds", 2, True)]
+    assert _upward(imports) == ["logit_bounds (numerics) imports dynamo_backend (backend)"]
 
 
 # ---- the installed library never imports the repository's tools ------------------------

@@ -6,7 +6,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx.heads import site_logit_bound, site_term_weights
+from geoscale_fx.head_weights import site_term_weights
+from geoscale_fx.logit_bounds import site_logit_bound
 
 
 class Softcapped(torch.nn.Module):
@@ -43,9 +44,9 @@ def test_softcap_is_a_modifier_and_caps_the_bound():
     assert site.modifiers[0].value == 5.0
     assert site.softmax_scale == pytest.approx(8 ** -0.5)
     uncapped = site.with_rope_bound("norm_product")      # same site, exact bound
-    from geoscale_fx import heads
+    from geoscale_fx import logit_bounds
 
-    raw = sum(heads.term_logit_bound(site, t, hw, "norm_product")
+    raw = sum(logit_bounds.term_logit_bound(site, t, hw, "norm_product")
               for t, hw in zip(site.terms, site_term_weights(site)))
     assert bool((raw > 5.0).all())                        # the cap is what binds
     assert torch.equal(site_logit_bound(uncapped), torch.full((4,), 5.0, dtype=torch.float64))
@@ -149,9 +150,9 @@ def test_sinks_are_found_and_the_bound_covers_them():
     site, = geoscale_fx.find_attention(model, torch.randn(2, 6, 32))
     assert site.supported, site.reason
     assert [m.kind for m in site.modifiers] == ["mask", "sink", "mask"]
-    from geoscale_fx import heads
+    from geoscale_fx import logit_bounds
 
-    raw = sum(heads.term_logit_bound(site, t, hw, "norm_product")
+    raw = sum(logit_bounds.term_logit_bound(site, t, hw, "norm_product")
               for t, hw in zip(site.terms, site_term_weights(site)))
     torch.testing.assert_close(site_logit_bound(site), torch.clamp(raw, min=30.0))
 

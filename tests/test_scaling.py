@@ -13,7 +13,7 @@ from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.estimators import (
     ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, make_estimator,
 )
-from geoscale_fx.heads import apply_modifiers
+from geoscale_fx.logit_bounds import apply_modifiers
 from geoscale_fx.scaling import (
     CurrentScaling, DelayedScaling, GeometryScaling, NoScaling, make_policy,
 )

@@ -5,7 +5,7 @@ import statistics
 
 import geoscale_fx
 from bench.runner import Context, ScenarioResult
-from geoscale_fx import heads, spectral
+from geoscale_fx import head_weights, spectral
 from geoscale_fx.paper_models import PAPER_MODELS, PAPER_DELTA, PAPER_SEQ_LEN, calibration_row
 
 __all__ = ["alpha_table", "spectral_norms"]
@@ -62,9 +62,9 @@ def spectral_norms(ctx: Context) -> ScenarioResult:
         rows = []
         for i, site in enumerate(s for s in geoscale_fx.find_attention(model, **batch)
                                  if s.supported):
-            a_q = heads.gather_heads(site._resolve(site.q.weight), site.q.layout,
+            a_q = head_weights.gather_heads(site._resolve(site.q.weight), site.q.layout,
                                      site.q.features)
-            a_k = heads.gather_heads(site._resolve(site.k.weight), site.k.layout,
+            a_k = head_weights.gather_heads(site._resolve(site.k.weight), site.k.layout,
                                      site.k.features)
             per_head = spectral.per_head_sigma_exact(a_q, a_k)
             rows.append({"layer": i, "per-layer sigma": float(spectral.per_layer_sigma_exact(

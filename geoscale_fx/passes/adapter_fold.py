@@ -17,25 +17,25 @@ import torch
 
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.operand_sides import source_of
 from geoscale_fx.passes.provenance import HeadRows, OperandTrace, trace_normalized_input
 from geoscale_fx.passes.replay_records import ReplayRecords
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.site_model import Side
 
 __all__ = ["fold_added_maps"]
 
 
 def fold_added_maps(cand: Candidate, role: str, trace: OperandTrace, root: int, rows: HeadRows,
-                    side: Side, checker: ReplayRecords, kinds: ValueKinds) -> list[Side]:
+                    side: Side, records: ReplayRecords, kinds: ValueKinds) -> list[Side]:
     """``[side with W + s·B·A folded in] + [one side per adapter with its own input]``;
     ``[side]`` when nothing was added to its projection (``root``: its index in ``trace``)."""
-    if not checker.sums or side.weight is None:
+    if not records.sums or side.weight is None:
         return [side]
     offset = trace.projections[root][1]
     mine = torch.tensor(sorted({f for head in rows.features for f in head}))
     extras, params, separate = [], [], []
-    for kept, added, ratio in checker.sums:
+    for kept, added, ratio in records.sums:
         inside = torch.isin(kept.long(), mine)
         if not bool(inside.any()):
             continue

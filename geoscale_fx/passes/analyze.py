@@ -27,8 +27,8 @@ from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import find_candidates
 from geoscale_fx.passes.graph_ops import ValueKinds, module_path, op_of
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.opaque_attention import analyze_encoder_layer, analyze_mha
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.passes.traced_operands import analyze_operands
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
 

@@ -25,12 +25,12 @@ from geoscale_fx.passes.dtensor import localize_term
 from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, ValueKinds, example_value, op_of, shape_of, upstream,
 )
+from geoscale_fx.passes.index_track import Track, Unsupported
 from geoscale_fx.passes.operand_sides import position_gain, side_of
 from geoscale_fx.passes.provenance import OperandTrace, head_rows
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_whole
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.passes.track import Track, Unsupported
 from geoscale_fx.site_model import Side, Source, Term
 
 __all__ = ["reads_cache", "analyze_cached_keys"]
@@ -77,7 +77,7 @@ def _dequantizes_fp8(key: Node) -> bool:
 
 
 def analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTrace,
-                        q_track: Track, checker: ReplayRecords, why: Unsupported) -> dict:
+                        q_track: Track, records: ReplayRecords, why: Unsupported) -> dict:
     """Keys that are not all a projection of this call (a KV cache): the query side is bound
     by its weights, the keys by their actual norms, every step (``Side.observed``).
 
@@ -91,15 +91,15 @@ def analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTrac
     axes = (-3, -2) if cand.key_layout == "dk" else (-3, -1)
     n_k, length = shape[-3], shape[-1] if cand.key_layout == "dk" else shape[-2]
     q_rows = head_rows(q_track, cand.query, "query")
-    check_rotations_whole(cand, "query", q_rows, checker)
+    check_rotations_whole(cand, "query", q_rows, records)
     n_q = len(q_rows.features)
     q_map = q_rows.head_of_row
     if q_map.dim() < 1 or q_map.shape[-1] != n_q or \
             not bool((q_map == torch.arange(n_q)).all()) or n_q % n_k:
         raise Unsupported(f"`{cand.node.name}`: query heads {tuple(q_map.shape)} do not map "
                           f"onto the {n_k} heads of the cached key `{cand.key.name}`")
-    q_side = side_of(q_trace, q_rows, checker, kinds)
-    q_side = replace(q_side, position_gain=position_gain(cand, "query", q_rows, checker))
+    q_side = side_of(q_trace, q_rows, records, kinds)
+    q_side = replace(q_side, position_gain=position_gain(cand, "query", q_rows, records))
     by_name = {n.name: n for n in cand.node.graph.nodes}
     if localize_term(q_side, q_side, by_name, q_track.shape[-1])[2] is not None:
         raise Unsupported(f"{why} — and the query is sharded (tensor parallel): a cached key "

@@ -9,7 +9,7 @@ Dynamo's graph holds the projection weights as DTensor placeholders (global shap
     P = redistribute(P, (Shard(-1),))            # global values unchanged
     q = to_local(P).view(B, T, -1, d_h)          # this rank's heads
 
-The index tracker (``tracking.replay``) keeps working in the *global* index space of ``P``:
+The index tracker (``index_replay.replay``) keeps working in the *global* index space of ``P``:
 ``redistribute`` and ``full_tensor`` change no global value, and ``to_local`` keeps this
 rank's block of every index tensor (``compute_local_shape_and_global_offset``). The operand's
 features are then global output features of ``W``; :func:`localize_term` maps them onto the
@@ -34,7 +34,7 @@ import torch
 from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
-from geoscale_fx.passes.track import Unsupported
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.site_model import Side
 
 __all__ = ["HeadShard", "dtensor_of", "local_region", "replay_dtensor",
@@ -121,7 +121,7 @@ def _sharded_dims(value, tensor_dim: int) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------
 
 def replay_dtensor(node: Node, op: str, track):
-    """A DTensor op applied to a ``tracking.Track`` (index tensors in the global view)."""
+    """A DTensor op applied to a ``index_replay.Track`` (index tensors in the global view)."""
     if op in ("redistribute", "full_tensor"):
         return track                  # the global value is unchanged
     if op == "to_local":

@@ -18,8 +18,8 @@ import math
 import torch
 
 from geoscale_fx.passes.candidate import Candidate
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.provenance import HeadRows
-from geoscale_fx.passes.track import Unsupported
 
 __all__ = ["pair_heads", "score_head_period"]
 

@@ -16,22 +16,22 @@ from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.adapter_fold import fold_added_maps
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds
+from geoscale_fx.passes.index_track import Track, Unsupported
 from geoscale_fx.passes.operand_sides import position_gain, side_of
 from geoscale_fx.passes.provenance import HeadRows, OperandTrace, head_rows
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_within
-from geoscale_fx.passes.track import Track, Unsupported
 from geoscale_fx.site_model import Side
 
 __all__ = ["term_channels", "term_sides"]
 
 
-def term_channels(cand: Candidate, q, k, checkers) -> list[list[int]]:
+def term_channels(cand: Candidate, q, k, records) -> list[list[int]]:
     """The head channels of each term: one term per (query projection, key projection)
     pair that the channels of a head vector come from (MLA: the latent part and the
     decoupled RoPE part). Every head must draw each channel from the same projections.
 
-    ``q``, ``k``: ``(OperandTrace, HeadRows)``; ``checkers``: ``{role: ReplayRecords}``."""
+    ``q``, ``k``: ``(OperandTrace, HeadRows)``; ``records``: ``{role: ReplayRecords}``."""
     if len(q[0].projections) == 1 and len(k[0].projections) == 1:
         return [list(range(len(q[1].features[0])))]
     roots = []
@@ -47,17 +47,17 @@ def term_channels(cand: Candidate, q, k, checkers) -> list[list[int]]:
         groups.setdefault(pair, []).append(channel)
     if len(groups) > 1:
         for (trace, rows), role in ((q, "query"), (k, "key")):
-            check_rotations_within(cand, role, rows, checkers[role], list(groups.values()))
+            check_rotations_within(cand, role, rows, records[role], list(groups.values()))
     return list(groups.values())
 
 
 def term_sides(cand: Candidate, role: str, trace: OperandTrace, track: Track, rows: HeadRows,
-               channels, checker: ReplayRecords, kinds: ValueKinds) -> list[Side]:
+               channels, records: ReplayRecords, kinds: ValueKinds) -> list[Side]:
     """The sides of the head channels ``channels`` of the operand (one, or one per map
     added to the projection with an input of its own)."""
     if len(trace.projections) == 1 and len(channels) == track.shape[-1]:
-        side = side_of(trace, rows, checker, kinds, features=rows.features)
-        sides = fold_added_maps(cand, role, trace, 0, rows, side, checker, kinds)
+        side = side_of(trace, rows, records, kinds, features=rows.features)
+        sides = fold_added_maps(cand, role, trace, 0, rows, side, records, kinds)
     else:
         index = torch.tensor(channels)
         sub = Track(*(bc.take_last(t, index) for t in track.fields()))
@@ -68,8 +68,8 @@ def term_sides(cand: Candidate, role: str, trace: OperandTrace, track: Track, ro
         features = tuple(tuple(head[c] - offset for c in channels) for head in rows.features)
         rows = replace(sub_rows, features=tuple(tuple(head[c] for c in channels)
                                                 for head in rows.features))
-        side = side_of(part, replace(rows, features=features), checker, kinds,
+        side = side_of(part, replace(rows, features=features), records, kinds,
                        features=features, offset=offset)
-        sides = fold_added_maps(cand, role, trace, root, rows, side, checker, kinds)
-    gain = position_gain(cand, role, rows, checker)
+        sides = fold_added_maps(cand, role, trace, root, rows, side, records, kinds)
+    gain = position_gain(cand, role, rows, records)
     return [replace(side, position_gain=gain) for side in sides]

@@ -19,7 +19,7 @@ from geoscale_fx.passes.dtensor import token_vector_split
 from geoscale_fx.passes.graph_ops import (
     DTENSOR_OPS, VALUE_CASTS, ValueKinds, arg, op_of, scalar_constant, shape_of,
 )
-from geoscale_fx.passes.tracking import Unsupported
+from geoscale_fx.passes.index_replay import Unsupported
 
 __all__ = ["NormalizedInput", "trace_normalized_input", "norm_input", "same_value",
            "strip_casts", "VIEWS"]

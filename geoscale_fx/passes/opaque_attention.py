@@ -15,12 +15,12 @@ from torch.fx import Node
 
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, shape_of
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.operand_sides import projection_side
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, ProjectionOp, trace_normalized_input,
 )
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.site_model import Side, Term
 
 __all__ = ["analyze_mha", "analyze_encoder_layer"]

@@ -15,13 +15,13 @@ from torch.fx import Node
 
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds, shape_of
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, OperandTrace, ProjectionOp, parameter_names,
     trace_normalized_input,
 )
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import rotated_partners
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.site_model import Side, Source
 
 __all__ = ["source_of", "side_of", "projection_side", "side_rotary", "position_gain"]
@@ -36,26 +36,26 @@ def source_of(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Sou
                   channel_index=channel_index)
 
 
-def side_of(trace: OperandTrace, rows: HeadRows, checker: ReplayRecords, kinds: ValueKinds,
+def side_of(trace: OperandTrace, rows: HeadRows, records: ReplayRecords, kinds: ValueKinds,
             features=None, offset: int = 0) -> Side:
     """A side from its operand's trace: the projection's normalized input, or the QK-norm
     the operand is made of (then the side has no weight of its own)."""
     unit = trace.norm_unit
     if unit is None:
         norm = trace_normalized_input(trace.projection.x, kinds, trace.projection.root)
-        side = projection_side(trace.projection, rows, norm, checker.rotaries,
+        side = projection_side(trace.projection, rows, norm, records.rotaries,
                                features=features)
     else:
-        width, position = checker.norms[unit.id]
+        width, position = records.norms[unit.id]
         n_features = (shape_of(trace.projection.root) or (0,))[-1]
         index = tuple(position.get(f + offset, -1) for f in range(n_features))
-        rotary = side_rotary(rows, checker.rotaries)
+        rotary = side_rotary(rows, records.rotaries)
         side = Side(source=source_of(unit.norm, index), weight=None, layout="identity",
                     features=features if features is not None else rows.features,
                     rotary=rotary, operand_gain=rows.gain)
     if side.rotary is None:
         return side
-    return replace(side, pairs=rotated_partners(side.features, offset, checker))
+    return replace(side, pairs=rotated_partners(side.features, offset, records))
 
 
 def side_rotary(rows: HeadRows, rotaries):
@@ -82,15 +82,15 @@ def projection_side(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedIn
         operand_gain=rows.gain)
 
 
-def position_gain(cand: Candidate, role: str, rows: HeadRows, checker: ReplayRecords
+def position_gain(cand: Candidate, role: str, rows: HeadRows, records: ReplayRecords
                   ) -> float:
     """The product of the per-position multipliers' bounds applied to the whole operand (a
     multiplier of part of a head vector is not a scalar on it: refused)."""
     gain = 1.0
-    if not checker.multipliers:
+    if not records.multipliers:
         return gain
     features = torch.tensor([f for head in rows.features for f in head]).unique()
-    for bound, covered in checker.multipliers:
+    for bound, covered in records.multipliers:
         inside = torch.isin(features, covered.long())
         if not bool(inside.any()):
             continue

@@ -1,7 +1,7 @@
 """Provenance: from an attention operand back to a projection and a normalized input.
 
 ``trace_operand`` finds the single projection ``P = x W (+ b)`` feeding a query or key operand
-and replays the path in between (``tracking.replay``), a normalization after the projection
+and replays the path in between (``index_replay.replay``), a normalization after the projection
 (QK-norm) included as one unit; ``normalization.trace_normalized_input`` walks from ``x`` back
 to the normalization that bounds it; ``head_rows`` turns the operand's index tensors into
 per-head feature lists. All failures raise ``Unsupported`` naming the node.
@@ -18,12 +18,13 @@ from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.graph_ops import (
     VALUE_CASTS, ValueKinds, arg, op_of, parameter_name, scalar_constant, shape_of,
 )
+from geoscale_fx.passes.index_replay import (
+    RotaryTerm, Track, Unsupported, replay, trig_origin,
+)
 from geoscale_fx.passes.normalization import (
     VIEWS, NormalizedInput, norm_input, same_value, strip_casts, trace_normalized_input,
 )
-from geoscale_fx.passes.tracking import (
-    AngleChecker, RotaryTerm, Track, Unsupported, replay, trig_origin,
-)
+from geoscale_fx.passes.replay_records import ReplayRecords
 
 __all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
            "trace_normalized_input", "head_rows", "HeadRows"]
@@ -219,7 +220,7 @@ def _last_dim_slice(node: Node, ndim: int, width: int) -> Optional[tuple[int, in
     return (start, stop) if stop > start else None
 
 
-def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role: str,
+def trace_operand(operand: Node, kinds: ValueKinds, records: ReplayRecords, role: str,
                   order: dict[Node, int]) -> OperandTrace:
     projections, visited, units, assembled = find_projection(operand, kinds, role)
     jumps: dict[Node, list[Node]] = {}
@@ -246,7 +247,7 @@ def trace_operand(operand: Node, kinds: ValueKinds, checker: AngleChecker, role:
     for p in projections:
         offsets.append(total)
         total += (shape_of(p.root) or (0,))[-1]
-    env = replay(path, {p.root: off for p, off in zip(projections, offsets)}, checker,
+    env = replay(path, {p.root: off for p, off in zip(projections, offsets)}, records,
                  {u.end: (u.input, u.id) for u in units.values()}, assembled)
     track = env[operand]
     if isinstance(track, RotaryTerm) and track.trig is None:

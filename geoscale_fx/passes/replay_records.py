@@ -1,9 +1,9 @@
 """What replaying a query/key path records besides its tracks, for the analysis to read.
 
-``tracking.replay`` follows the ops from a projection to an attention operand; some of them
+``index_replay.replay`` follows the ops from a projection to an attention operand; some of them
 are not data movement and leave a record here, each read by one step of the analysis:
 
-- ``rotaries`` / ``partners``: every rotary embedding proven a rotation (``passes.rotary``),
+- ``rotaries`` / ``partners``: every rotary embedding proven a rotation (``passes.rotary_replay``),
   and the (feature, partner) pairs it rotates together — side assembly and the rotation
   checks read them;
 - ``norms``: QK-norm units (a normalization after the projection), ``unit → (width,
@@ -27,7 +27,7 @@ import torch
 from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
-from geoscale_fx.passes.track import Track
+from geoscale_fx.passes.index_track import Track
 from geoscale_fx.site_model import Rotary
 
 __all__ = ["ReplayRecords"]

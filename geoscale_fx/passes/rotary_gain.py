@@ -1,7 +1,7 @@
 """The gain of a rotary embedding: ``‖R q‖ ≤ rot · ‖q‖``, proven from the graph or measured.
 
 - **structural**: cos and sin tables ``m·cos(E)`` / ``m·sin(E)`` of one angle per rotated
-  pair (``AngleChecker.paired`` shows ``E[j] == E[pairing[j]]``) give ``m``; where the pairing
+  pair (``angles_paired`` shows ``E[j] == E[pairing[j]]``) give ``m``; where the pairing
   cannot be shown, the certified fallbacks are ``√2·m`` (one angle per element) and ``2m``
   (cos and sin of different angles);
 - **measured**: tables known only by their values (CodeGen's sinusoid buffer gathered by
@@ -23,44 +23,39 @@ from geoscale_fx.passes.graph_ops import VALUE_CASTS, arg, op_of, scalar_constan
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotary_terms import TABLE_VIEWS, RotaryTerm
 
-__all__ = ["AngleChecker", "structural_gain", "measured_gain", "modulus_bound",
+__all__ = ["angles_paired", "structural_gain", "measured_gain", "modulus_bound",
            "node_is_ones"]
 
 
-class AngleChecker(ReplayRecords):
-    """Proves rotary embeddings are rotations (the records it carries: ``ReplayRecords``).
-
-    ``paired`` proves that paired elements share their angle (``E[j] == E[pairing[j]]``):
-    structurally (``E = cat((f, f), -1)`` for rotate-half, ``repeat_interleave`` by 2 for
-    interleaved), else numerically when ``E`` depends only on constants and buffers
-    (``evaluate`` returns None when it cannot).
-    """
-
-    def paired(self, angles: Node, pairing: list[int]) -> bool:
-        width = len(pairing)
-        op = op_of(angles)
-        shape = shape_of(angles) or ()
-        if not shape or shape[-1] != width:
-            return False
-        if op == "cat":
-            parts, dim = arg(angles, 0, "tensors"), arg(angles, 1, "dim", 0)
-            last = dim in (-1, len(shape) - 1)
-            if last and len(parts) == 2 and parts[0] is parts[1] and \
-                    pairing == [(j + width // 2) % width for j in range(width)]:
-                return True
-        if op == "repeat_interleave" and arg(angles, 1, "repeats") == 2 and \
-                arg(angles, 2, "dim") in (-1, len(shape) - 1) and \
-                pairing == [j ^ 1 for j in range(width)]:
+def angles_paired(records: ReplayRecords, angles: Node, pairing: list[int]) -> bool:
+    """Whether paired elements share their angle (``E[j] == E[pairing[j]]``): structurally
+    (``E = cat((f, f), -1)`` for rotate-half, ``repeat_interleave`` by 2 for interleaved),
+    else numerically when ``E`` depends only on constants and buffers
+    (``records.evaluate`` returns None when it cannot)."""
+    width = len(pairing)
+    op = op_of(angles)
+    shape = shape_of(angles) or ()
+    if not shape or shape[-1] != width:
+        return False
+    if op == "cat":
+        parts, dim = arg(angles, 0, "tensors"), arg(angles, 1, "dim", 0)
+        last = dim in (-1, len(shape) - 1)
+        if last and len(parts) == 2 and parts[0] is parts[1] and \
+                pairing == [(j + width // 2) % width for j in range(width)]:
             return True
-        values = self.evaluate(angles)
-        if values is None or values.shape[-1] != width:
-            return False
-        return bool((values == values[..., pairing]).all())
+    if op == "repeat_interleave" and arg(angles, 1, "repeats") == 2 and \
+            arg(angles, 2, "dim") in (-1, len(shape) - 1) and \
+            pairing == [j ^ 1 for j in range(width)]:
+        return True
+    values = records.evaluate(angles)
+    if values is None or values.shape[-1] != width:
+        return False
+    return bool((values == values[..., pairing]).all())
 
 
-def _table_values(term: RotaryTerm, checker: AngleChecker, width: int
+def _table_values(term: RotaryTerm, records: ReplayRecords, width: int
                   ) -> Optional[torch.Tensor]:
-    values = checker.evaluate(term.table)
+    values = records.evaluate(term.table)
     if values is None or values.is_complex() or values.dim() == 0 or \
             values.shape[-1] not in (width, 1):
         return None
@@ -86,7 +81,7 @@ def _block_norm(direct: torch.Tensor, swapped: torch.Tensor, index: torch.Tensor
     return float(torch.sqrt((fro2 + torch.sqrt(disc)) / 2).max())
 
 
-def structural_gain(c: RotaryTerm, s: RotaryTerm, checker: AngleChecker, pairing,
+def structural_gain(c: RotaryTerm, s: RotaryTerm, records: ReplayRecords, pairing,
                     rotate_half: bool, halves) -> tuple[float, bool]:
     """``(m, True)`` when the graph shows one angle per rotated pair, else the certified
     fallback ``(√2·m or 2m, False)`` (``(1, False)`` for tables known only by value)."""
@@ -99,7 +94,7 @@ def structural_gain(c: RotaryTerm, s: RotaryTerm, checker: AngleChecker, pairing
     same_factor = len({t.factor for t in terms}) == 1
     if halves is None:
         verified = (same_angle and same_factor and c.keeps_last and s.keeps_last
-                    and checker.paired(c.angles, pairing))
+                    and angles_paired(records, c.angles, pairing))
     else:
         # both halves multiply by the same tables, element j of each half by entry j: the
         # pair (j, j + half) shares its angle when the tables are half as wide as the head
@@ -117,17 +112,17 @@ def structural_gain(c: RotaryTerm, s: RotaryTerm, checker: AngleChecker, pairing
     return factor * (math.sqrt(2.0) if same_angle else 2.0), False
 
 
-def measured_gain(c: RotaryTerm, s: RotaryTerm, checker: AngleChecker, index, sign,
+def measured_gain(c: RotaryTerm, s: RotaryTerm, records: ReplayRecords, index, sign,
                   width: int, halves) -> Optional[float]:
     """The largest 2×2 block norm over every position of the evaluated tables, or None."""
     if halves is None:
-        tables = [_table_values(c, checker, width), _table_values(s, checker, width)]
+        tables = [_table_values(c, records, width), _table_values(s, records, width)]
         if any(t is None for t in tables):
             return None
         direct, swapped = _joint(tables)
     else:
         half = width // 2
-        parts = [_table_values(t, checker, half) for h in halves for t in (h.direct, h.swapped)]
+        parts = [_table_values(t, records, half) for h in halves for t in (h.direct, h.swapped)]
         if any(t is None for t in parts):
             return None
         parts = _joint(parts)
@@ -136,7 +131,7 @@ def measured_gain(c: RotaryTerm, s: RotaryTerm, checker: AngleChecker, index, si
     return _block_norm(direct, swapped, index, sign)
 
 
-def modulus_bound(table: Node, checker: AngleChecker) -> Optional[float]:
+def modulus_bound(table: Node, records: ReplayRecords) -> Optional[float]:
     """``max |z|``: structurally for ``c · polar(ones, θ)`` (views and casts between), else
     from the evaluated table."""
     factor, node = 1.0, table
@@ -146,7 +141,7 @@ def modulus_bound(table: Node, checker: AngleChecker) -> Optional[float]:
             modulus = node.args[0]
             if isinstance(modulus, Node) and node_is_ones(modulus):
                 return factor
-            values = checker.evaluate(modulus) if isinstance(modulus, Node) else None
+            values = records.evaluate(modulus) if isinstance(modulus, Node) else None
             return None if values is None else factor * float(values.abs().max())
         if op in VALUE_CASTS or op in TABLE_VIEWS:
             node = node.args[0]
@@ -158,7 +153,7 @@ def modulus_bound(table: Node, checker: AngleChecker) -> Optional[float]:
             break
         if not isinstance(node, Node):
             return None
-    values = checker.evaluate(table)
+    values = records.evaluate(table)
     if values is None:
         return None
     return float(values.abs().max())

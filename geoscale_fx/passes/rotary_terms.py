@@ -4,7 +4,7 @@
 track times a table: ``m·cos(E)`` / ``m·sin(E)`` up to views, or a table known only by its
 values); the halves form's ``x1·c ∓ x2·s`` is a ``RotaryHalf``; ``view_as_complex(x)``,
 possibly times ``z``, a ``ComplexValue``. ``trig_origin`` reads ``(trig, E, m, …)`` off a
-table node. ``passes.rotary`` combines the pieces; ``passes.rotary_gain`` bounds the result.
+table node. ``passes.rotary_replay`` combines the pieces; ``passes.rotary_gain`` bounds the result.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Optional
 from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, op_of, scalar_constant, shape_of
-from geoscale_fx.passes.track import Track
+from geoscale_fx.passes.index_track import Track
 
 __all__ = ["RotaryTerm", "RotaryHalf", "ComplexValue", "TABLE_VIEWS", "trig_origin"]
 

@@ -12,7 +12,7 @@ import math
 
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.head_mapping import score_head_period
-from geoscale_fx.passes.track import Unsupported
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.site_model import Modifier, Term
 
 __all__ = ["site_fields"]

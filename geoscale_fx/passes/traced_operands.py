@@ -21,12 +21,12 @@ from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.dtensor import dtensor_of, localize_term
 from geoscale_fx.passes.graph_ops import ValueKinds
 from geoscale_fx.passes.head_mapping import pair_heads
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.logit_terms import term_channels, term_sides
 from geoscale_fx.passes.provenance import head_rows, trace_operand
-from geoscale_fx.passes.rotary_gain import AngleChecker
+from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_whole
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.passes.value_side import value_side
 from geoscale_fx.site_model import Term
 
@@ -40,17 +40,17 @@ def analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> di
             raise Unsupported(f"the {role} `{operand.name}` is a DTensor (global view, "
                               f"{tuple(dtensor_of(operand).placements)}): geoscale rewrites "
                               "attention on local tensors (use_local_output=True)")
-    checkers = {role: AngleChecker(evaluator) for role in ("query", "key")}
-    q_trace = trace_operand(cand.query, kinds, checkers["query"], "query", order)
+    records = {role: ReplayRecords(evaluator) for role in ("query", "key")}
+    q_trace = trace_operand(cand.query, kinds, records["query"], "query", order)
     q_track = q_trace.track
     if cand.query_perm is not None:
         q_track = q_track.map(lambda t: t.permute(cand.query_perm))
     try:
-        k_trace = trace_operand(cand.key, kinds, checkers["key"], "key", order)
+        k_trace = trace_operand(cand.key, kinds, records["key"], "key", order)
     except Unsupported as exc:
         if not reads_cache(cand.key):
             raise
-        return analyze_cached_keys(cand, kinds, q_trace, q_track, checkers["query"], exc)
+        return analyze_cached_keys(cand, kinds, q_trace, q_track, records["query"], exc)
     k_track = k_trace.track
     if cand.key_layout == "dk":
         k_track = k_track.map(lambda t: t.transpose(-1, -2))
@@ -61,13 +61,13 @@ def analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> di
     if q_track.shape[-1] != k_track.shape[-1]:
         raise Unsupported(f"`{cand.node.name}`: query and key head widths differ")
     for role, rows in (("query", q_rows), ("key", k_rows)):
-        check_rotations_whole(cand, role, rows, checkers[role])
+        check_rotations_whole(cand, role, rows, records[role])
     _mapping, k_features = pair_heads(cand, q_rows, k_rows)
     k_rows = replace(k_rows, features=k_features)
     terms = []
-    for channels in term_channels(cand, (q_trace, q_rows), (k_trace, k_rows), checkers):
+    for channels in term_channels(cand, (q_trace, q_rows), (k_trace, k_rows), records):
         q_sides, k_sides = (
-            term_sides(cand, role, trace, track, rows, channels, checkers[role], kinds)
+            term_sides(cand, role, trace, track, rows, channels, records[role], kinds)
             for role, trace, track, rows in (("query", q_trace, q_track, q_rows),
                                              ("key", k_trace, k_track, k_rows)))
         terms += [Term(q, k) for q in q_sides for k in k_sides]

@@ -13,11 +13,11 @@ from torch.fx import Node
 
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds, matmul_operands, op_of
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.logit_terms import term_sides
 from geoscale_fx.passes.operand_sides import side_of
 from geoscale_fx.passes.provenance import head_rows, trace_operand
-from geoscale_fx.passes.rotary_gain import AngleChecker
-from geoscale_fx.passes.track import Unsupported
+from geoscale_fx.passes.replay_records import ReplayRecords
 
 __all__ = ["value_side"]
 
@@ -33,16 +33,16 @@ def value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
             "matmul", "bmm") else None
     if not isinstance(value, Node):
         return {"value_reason": "no value operand found"}
-    checker = AngleChecker(evaluator)
+    records = ReplayRecords(evaluator)
     try:
-        trace = trace_operand(value, kinds, checker, "value", order)
+        trace = trace_operand(value, kinds, records, "value", order)
         rows = head_rows(trace.track, value, "value")
         if len(trace.projections) == 1:
-            return {"value": side_of(trace, rows, checker, kinds)}
+            return {"value": side_of(trace, rows, records, kinds)}
         # several projections: a map added to the values' projection (LoRA on v) folds
         # into its weight as for q and k; anything else is not one side
         channels = list(range(trace.track.shape[-1]))
-        sides = term_sides(cand, "value", trace, trace.track, rows, channels, checker, kinds)
+        sides = term_sides(cand, "value", trace, trace.track, rows, channels, records, kinds)
         if len(sides) != 1:
             raise Unsupported(f"the value `{value.name}` comes from several inputs (an "
                               "adapter with dropout): no single side bounds it")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from geoscale_fx.passes.dtensor import (
     HeadShard, dtensor_of, local_region, replay_dtensor, to_local,
 )
-from geoscale_fx.passes.track import Track, Unsupported
+from geoscale_fx.passes.index_track import Track, Unsupported
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)

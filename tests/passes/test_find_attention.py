@@ -6,7 +6,8 @@ import torch
 import geoscale_fx
 from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import capture_graphs
-from geoscale_fx.heads import site_head_weights, site_logit_bound
+from geoscale_fx.head_weights import site_head_weights
+from geoscale_fx.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from tests import analysis_checks as checks
 from tests.attention_variants import (
@@ -280,12 +281,12 @@ def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(key, c
     assert (worst <= 1 + 1e-6).all(), worst
     assert worst.max() > 0.05, "the optimizer should find sizeable logits"
     # the paper's B_max on the raw weights (no gain, no bias) is broken by the same inputs
-    from geoscale_fx import heads, spectral
+    from geoscale_fx import head_weights, spectral
 
     broken = 0
     for s, logit in zip(sites, logits):
-        a_q = heads.gather_heads(s._resolve(s.q.weight), s.q.layout, s.q.features)
-        a_k = heads.gather_heads(s._resolve(s.k.weight), s.k.layout, s.k.features)
+        a_q = head_weights.gather_heads(s._resolve(s.q.weight), s.q.layout, s.q.features)
+        a_k = head_weights.gather_heads(s._resolve(s.k.weight), s.k.layout, s.k.features)
         paper = spectral.per_head_sigma_exact(a_q, a_k) * s.model_dim / math.sqrt(s.head_dim)
         broken += int((logit > paper.max()).item())
     with capsys.disabled():

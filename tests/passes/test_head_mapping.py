@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from geoscale_fx.passes.head_mapping import pair_heads, score_head_period
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.provenance import HeadRows
-from geoscale_fx.passes.track import Unsupported
 
 
 def _rows(head_of_row, width=2):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.heads import site_head_weights, site_logit_bound
+from geoscale_fx.head_weights import site_head_weights
+from geoscale_fx.logit_bounds import site_logit_bound
 from tests import analysis_checks as checks
 from tests.hf_models import build_hf
 

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes.graph_ops import ValueKinds, op_of
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.normalization import (
     norm_input, same_value, strip_casts, trace_normalized_input,
 )
-from geoscale_fx.passes.track import Unsupported
 
 D = 8
 

@@ -17,10 +17,11 @@ from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, op_of, parameter_name
+from geoscale_fx.passes.index_replay import Unsupported
 from geoscale_fx.passes.provenance import (
     NormalizedInput, find_projection, head_rows, trace_normalized_input, trace_operand,
 )
-from geoscale_fx.passes.tracking import AngleChecker, Unsupported
+from geoscale_fx.passes.replay_records import ReplayRecords
 
 B, L, D, H, DH = 2, 6, 32, 4, 8
 EPS = 1e-6
@@ -47,9 +48,9 @@ class Captured:
         return trace_normalized_input(projection.x, self.kinds, projection.root)
 
     def track(self, operand: Node):
-        checker = AngleChecker(ParamEvaluator(self.gm, self.inputs, self.kinds))
+        records = ReplayRecords(ParamEvaluator(self.gm, self.inputs, self.kinds))
         order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        return trace_operand(operand, self.kinds, checker, "query", order).track
+        return trace_operand(operand, self.kinds, records, "query", order).track
 
     def value(self, node: Node) -> torch.Tensor:
         return ParamEvaluator(self.gm, self.inputs, self.kinds).evaluate(node)
@@ -374,10 +375,10 @@ def test_sum_of_two_maps_of_the_source_is_recorded(projections, index):
     operand = projections.operands[index]
     roots, *_ = find_projection(operand, projections.kinds, "query")
     assert len(roots) == 2
-    checker = AngleChecker(ParamEvaluator(projections.gm, projections.inputs, projections.kinds))
+    records = ReplayRecords(ParamEvaluator(projections.gm, projections.inputs, projections.kinds))
     order = {n: i for i, n in enumerate(projections.gm.graph.nodes)}
-    trace = trace_operand(operand, projections.kinds, checker, "query", order)
-    ((kept, added, ratio),) = checker.sums
+    trace = trace_operand(operand, projections.kinds, records, "query", order)
+    ((kept, added, ratio),) = records.sums
     assert ratio == 1.0
     offsets = dict((p.root, off) for p, off in trace.projections)
     first, second = (p.root for p, _ in trace.projections)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from geoscale_fx.passes.index_track import Track
 from geoscale_fx.passes.replay_records import ReplayRecords
-from geoscale_fx.passes.track import Track
 from geoscale_fx.site_model import Rotary
 
 

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from geoscale_fx.bounds import FP8_MAX
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.heads import site_logit_bound
+from geoscale_fx.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.rewrite import make_program, rewrite, sdpa_call_options
 from geoscale_fx.plan import GraphContext, SitePlan, plan_site
@@ -211,7 +211,7 @@ def test_rewrite_counters_count_each_site_once(sdpa_graph, explicit_graph, graph
                                               options, lowering, n):
     """counters['geoscale']['rewrite_<lowering>'] grows by the number of sites per compiled
     graph, only it — however many variants of the graph are compiled (predictive, reuse)."""
-    from geoscale_fx.compiler import GeoscaleBackend
+    from geoscale_fx.dynamo_backend import GeoscaleBackend
 
     graph = {"sdpa": sdpa_graph, "explicit": explicit_graph}[graph_name]
     backend = GeoscaleBackend(GeoscaleOptions.from_kwargs(compiler="aot_eager", **options))
@@ -227,7 +227,7 @@ def test_rewrite_counters_count_each_site_once(sdpa_graph, explicit_graph, graph
 
 def test_mask_modifier_is_counted(sdpa_graph):
     """Sites with a mask count their modifier next to the rewrite."""
-    from geoscale_fx.compiler import GeoscaleBackend
+    from geoscale_fx.dynamo_backend import GeoscaleBackend
 
     sites = analyze_graph(sdpa_graph.gm, sdpa_graph.example_inputs)
     counters.clear()

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import geoscale_fx
-from geoscale_fx.heads import site_logit_bound
+from geoscale_fx.logit_bounds import site_logit_bound
 
 B, L, D, H = 2, 8, 32, 4
 DH = D // H

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from geoscale_fx.capture import capture_graphs
+from geoscale_fx.passes.index_track import Track
+from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotary_gain import (
-    AngleChecker, measured_gain, modulus_bound, structural_gain,
+    angles_paired, measured_gain, modulus_bound, structural_gain,
 )
 from geoscale_fx.passes.rotary_terms import RotaryTerm
-from geoscale_fx.passes.track import Track
 
 W = 4
 HALF = [(j + W // 2) % W for j in range(W)]          # rotate-half pairing
@@ -27,30 +28,30 @@ def _term(trig, angles, factor, table="t", keeps_last=True):
 
 def test_cat_of_the_same_frequencies_pairs_angles_structurally():
     angles = _output(lambda f: torch.cat((f, f), dim=-1), torch.randn(5, W // 2))
-    checker = AngleChecker(lambda node: None)              # nothing evaluable: structure only
-    assert checker.paired(angles, HALF) is True
-    assert checker.paired(angles, [j ^ 1 for j in range(W)]) is False
+    records = ReplayRecords(lambda node: None)              # nothing evaluable: structure only
+    assert angles_paired(records, angles, HALF) is True
+    assert angles_paired(records, angles, [j ^ 1 for j in range(W)]) is False
 
 
 def test_one_shared_angle_gives_m_else_the_certified_fallbacks():
-    checker = AngleChecker(lambda node: None)
+    records = ReplayRecords(lambda node: None)
     angles = _output(lambda f: torch.cat((f, f), dim=-1), torch.randn(5, W // 2))
     cos, sin = _term("cos", angles, 3.0), _term("sin", angles, 3.0)
-    assert structural_gain(cos, sin, checker, HALF, True, None) == (3.0, True)
+    assert structural_gain(cos, sin, records, HALF, True, None) == (3.0, True)
     other = _output(lambda f: f * 1.0, torch.randn(5, W))
-    assert structural_gain(_term("cos", other, 3.0), _term("sin", other, 3.0), checker, HALF,
+    assert structural_gain(_term("cos", other, 3.0), _term("sin", other, 3.0), records, HALF,
                            True, None) == (pytest.approx(3.0 * math.sqrt(2.0)), False)
-    assert structural_gain(cos, _term("sin", other, 3.0), checker, HALF, True,
+    assert structural_gain(cos, _term("sin", other, 3.0), records, HALF, True,
                            None) == (6.0, False)
 
 
 def test_measured_gain_is_the_largest_2x2_block_spectral_norm():
     torch.manual_seed(0)
     a, b = torch.randn(6, W, dtype=torch.float64), torch.randn(6, W, dtype=torch.float64)
-    checker = AngleChecker(lambda node: {"c": a, "s": b}[node])
+    records = ReplayRecords(lambda node: {"c": a, "s": b}[node])
     index = torch.tensor(HALF)
     sign = torch.tensor([-1.0, -1.0, 1.0, 1.0])
-    got = measured_gain(_term(None, None, 1.0, "c"), _term(None, None, 1.0, "s"), checker,
+    got = measured_gain(_term(None, None, 1.0, "c"), _term(None, None, 1.0, "s"), records,
                         index, sign, W, None)
     # out_j = a_j x_j + sign_j b_j x_p: the block over (j, p) as an explicit matrix
     worst = 0.0
@@ -64,13 +65,13 @@ def test_measured_gain_is_the_largest_2x2_block_spectral_norm():
 
 
 def test_measured_gain_needs_evaluable_tables():
-    checker = AngleChecker(lambda node: None)
-    assert measured_gain(_term(None, None, 1.0), _term(None, None, 1.0), checker,
+    records = ReplayRecords(lambda node: None)
+    assert measured_gain(_term(None, None, 1.0), _term(None, None, 1.0), records,
                          torch.tensor(HALF), torch.ones(W), W, None) is None
 
 
 def test_modulus_of_a_scaled_polar_of_ones_is_the_scale():
     table = _output(lambda t: torch.polar(torch.ones_like(t), t) * 3.0, torch.randn(5, 2))
-    assert modulus_bound(table, AngleChecker(lambda node: None)) == 3.0
+    assert modulus_bound(table, ReplayRecords(lambda node: None)) == 3.0
     table = _output(lambda t, r: torch.polar(r, t), torch.randn(5, 2), torch.rand(5, 2))
-    assert modulus_bound(table, AngleChecker(lambda node: None)) is None   # r unknown
+    assert modulus_bound(table, ReplayRecords(lambda node: None)) is None   # r unknown

@@ -4,12 +4,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.provenance import HeadRows
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import (
     check_rotations_whole, check_rotations_within, rotated_partners,
 )
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.site_model import Rotary
 
 CAND = SimpleNamespace(node=SimpleNamespace(name="attn"))

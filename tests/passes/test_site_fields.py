@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.passes.track import Unsupported
 from geoscale_fx.site_model import Modifier
 
 

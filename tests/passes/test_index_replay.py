@@ -1,4 +1,4 @@
-"""Index tracking (``tracking.replay`` / ``Track``) on small captured graphs.
+"""Index tracking (``index_replay.replay`` / ``Track``) on small captured graphs.
 
 Each module computes ``P = linear(LayerNorm(x))`` and then moves ``P``'s elements around
 (views, splits, GQA expansion, rotary embeddings ...). The tracked ``feat``/``tok`` index tensors
@@ -20,8 +20,9 @@ import geoscale_fx
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, op_of
+from geoscale_fx.passes.index_replay import Track, Unsupported, replay
 from geoscale_fx.passes.provenance import trace_operand
-from geoscale_fx.passes.tracking import AngleChecker, Track, Unsupported, replay
+from geoscale_fx.passes.replay_records import ReplayRecords
 
 B, L, D, H, DH = 2, 6, 32, 4, 8
 KV = 2  # key/value heads of the GQA cases
@@ -64,12 +65,12 @@ class Captured:
         assert len(found) == 1, found
         return found[0]
 
-    def checker(self) -> AngleChecker:
-        return AngleChecker(ParamEvaluator(self.gm, self.inputs, self.kinds))
+    def records(self) -> ReplayRecords:
+        return ReplayRecords(ParamEvaluator(self.gm, self.inputs, self.kinds))
 
-    def trace(self, operand: Node, checker: AngleChecker | None = None):
+    def trace(self, operand: Node, records: ReplayRecords | None = None):
         order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        return trace_operand(operand, self.kinds, checker or self.checker(), "query", order)
+        return trace_operand(operand, self.kinds, records or self.records(), "query", order)
 
 
 def _capture(module: nn.Module) -> Captured:
@@ -215,7 +216,7 @@ def test_replay_keeps_split_parts_as_a_tuple_of_tracks():
     nodes = list(captured.gm.graph.nodes)
     path = [n for n in nodes[nodes.index(root):] if n.op == "call_function"
             or n.op == "call_method"]
-    env = replay(path, root, captured.checker())
+    env = replay(path, root, captured.records())
     split = next(n for n in path if op_of(n) == "split")
     assert isinstance(env[split], tuple) and len(env[split]) == 3
     assert all(isinstance(t, Track) for t in env[split])
@@ -231,7 +232,7 @@ def test_replay_without_recorded_shape_is_unsupported():
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(D, D)))
     root = next(n for n in gm.graph.nodes if n.op == "call_module")
     with pytest.raises(Unsupported, match=rf"projection `{root.name}` has no recorded shape"):
-        replay([root], root, AngleChecker(lambda node: None))
+        replay([root], root, ReplayRecords(lambda node: None))
 
 
 def test_track_root_indices():
@@ -323,14 +324,14 @@ def test_rotary_embedding_is_recognised_and_verified(name):
     factory, style, pairing, signs, factor = ROTARIES[name]
     captured = _capture(factory())
     (operand,) = captured.operands
-    checker = captured.checker()
-    track = captured.trace(operand, checker).track
+    records = captured.records()
+    track = captured.trace(operand, records).track
     (feat, tok), = _expected(lambda p, *_: _heads(p), D)
     _assert_same(track.feat, feat)
     _assert_same(track.tok, tok)
     assert bool((track.gain == 1).all())
     torch.testing.assert_close(track.rot, torch.full(feat.shape, factor))
-    (rotary,) = checker.rotaries
+    (rotary,) = records.rotaries
     assert rotary.style == style
     assert rotary.pairing_verified is True
     assert rotary.factor == pytest.approx(factor)
@@ -347,9 +348,9 @@ def test_rotary_with_unpaired_buffer_angles_has_its_gain_measured():
     angles = torch.randn(L, DH) * 3
     captured = _capture(Rotated(_rotate_half, buffer=angles))
     (operand,) = captured.operands
-    checker = captured.checker()
-    track = captured.trace(operand, checker).track
-    (rotary,) = checker.rotaries
+    records = captured.records()
+    track = captured.trace(operand, records).track
+    (rotary,) = records.rotaries
     cos, sin = angles.double().cos(), angles.double().sin()
     dense = torch.diag_embed(cos)                                     # (L, DH, DH)
     rows = torch.arange(DH)
@@ -382,9 +383,9 @@ def test_rotary_with_unpaired_angles_from_inputs_is_unverified_and_pays_sqrt2():
     captured = Captured(graph.gm, graph.example_inputs,
                         ValueKinds(graph.gm.graph, graph.example_inputs))
     (operand,) = captured.operands
-    checker = captured.checker()
-    track = captured.trace(operand, checker).track
-    (rotary,) = checker.rotaries
+    records = captured.records()
+    track = captured.trace(operand, records).track
+    (rotary,) = records.rotaries
     assert rotary.style == "rotate_half" and rotary.pairing_verified is False
     assert rotary.factor == pytest.approx(math.sqrt(2.0))
     torch.testing.assert_close(track.rot, torch.full((B, H, L, DH), math.sqrt(2.0)))
@@ -425,9 +426,9 @@ def test_rotary_structural_proof_checks_the_angle_width_and_dim(name):
     rope, style = MISPAIRED[name]
     captured = _capture(Projected(lambda p, *_: rope(_heads(p))))
     (operand,) = captured.operands
-    checker = captured.checker()
-    track = captured.trace(operand, checker).track
-    (rotary,) = checker.rotaries
+    records = captured.records()
+    track = captured.trace(operand, records).track
+    (rotary,) = records.rotaries
     gain = _max_gain(rope)
     assert rotary.style == style and rotary.pairing_verified is True
     assert 1.3 < gain < math.sqrt(2.0)
@@ -460,9 +461,9 @@ def test_second_rotary_multiplies_the_factor_of_the_first():
     the last factor; both rotaries are recorded in order."""
     captured = _capture(TwiceRotated(_rotate_half, buffer=torch.randn(L, DH) * 3))
     (operand,) = captured.operands
-    checker = captured.checker()
-    track = captured.trace(operand, checker).track
-    first, second = checker.rotaries
+    records = captured.records()
+    track = captured.trace(operand, records).track
+    first, second = records.rotaries
     assert (first.pairing_verified, second.pairing_verified) == (False, True)
     assert (first.factor, second.factor) == pytest.approx((math.sqrt(2.0), 1.0))
     torch.testing.assert_close(track.rot, torch.full((B, H, L, DH), math.sqrt(2.0)))

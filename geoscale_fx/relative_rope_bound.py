@@ -4,7 +4,8 @@ With RoPE, ``S_mn = s (R_m q_m)ᵀ (R_n k_n)`` and for rotary tables whose angle
 the position, ``R_mᵀ R_n = m² T_δ`` depends only on ``δ = n − m`` (``T_δ`` rotates every pair
 of elements by ``δ ω_i``). With thin QR factors ``A = Q R`` (``R``: d_h×d_h) the interaction is
 ``‖A_q T_δ A_kᵀ‖₂ = ‖R_q T_δ R_kᵀ‖₂``, so the per-δ affine bound costs O(d_h³) and the maximum
-over ``δ ∈ (−L, L)`` is certified and tighter than ``‖A_q‖‖A_k‖`` (``heads.norm_product_bound``).
+over ``δ ∈ (−L, L)`` is certified and tighter than ``‖A_q‖‖A_k‖``
+(``logit_bounds.norm_product_bound``). This is ``rope_bound="relative"``.
 
 The tables are evaluated from the graph (they must depend on constants only, as Hugging Face's
 ``arange`` positions do), and angle linearity ``θ_j(p) = p·θ_j(1) (mod 2π)`` is checked before

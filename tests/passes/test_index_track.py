@@ -1,11 +1,11 @@
-"""geoscale_fx.passes.track: the index tracker's root, its broadcast storage, and ``map`` /
-``with_`` (tests/passes/test_tracking.py replays graphs with it)."""
+"""geoscale_fx.passes.index_track: the index tracker's root, its broadcast storage, and ``map`` /
+``with_`` (tests/passes/test_index_replay.py replays graphs with it)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from geoscale_fx.passes.track import Track, Unsupported
+from geoscale_fx.passes.index_track import Track, Unsupported
 
 
 def test_root_numbers_features_from_the_offset_and_rows_in_order():
@@ -36,10 +36,10 @@ def test_map_applies_to_every_field_and_with_replaces_some():
 
 
 def test_unsupported_is_the_one_error_of_the_analysis():
-    from geoscale_fx.passes import dtensor, normalization, tracking
+    from geoscale_fx.passes import dtensor, index_replay, normalization
 
     # every pass raises this very class, so one ``except Unsupported`` catches them all
-    assert tracking.Unsupported is Unsupported and dtensor.Unsupported is Unsupported
+    assert index_replay.Unsupported is Unsupported and dtensor.Unsupported is Unsupported
     assert normalization.Unsupported is Unsupported
     with pytest.raises(Unsupported, match="`q_proj`: reason"):
         raise Unsupported("`q_proj`: reason")

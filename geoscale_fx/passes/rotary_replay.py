@@ -1,7 +1,7 @@
 """Rotary position embeddings on the query/key path, recognised as units and proven rotations.
 
 Every form ends as a ``Track`` whose ``rot`` holds a bound on the embedding's gain
-(``‖R q‖ ≤ rot · ‖q‖``), and a ``Rotary`` recorded on the checker:
+(``‖R q‖ ≤ rot · ‖q‖``), and a ``Rotary`` recorded in the replay's ``ReplayRecords``:
 
 - **rotate-half / interleaved**: ``x·cos + rot(x)·sin`` where ``rot(x)`` is a signed pairwise
   swap of ``x``'s elements (``cat(-x2, x1)``, ``stack(-x[1::2], x[::2]).flatten``);
@@ -23,25 +23,26 @@ import torch
 from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
+from geoscale_fx.passes.index_track import Track, Unsupported
+from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotary_gain import (
-    AngleChecker, measured_gain, modulus_bound, structural_gain,
+    measured_gain, modulus_bound, structural_gain,
 )
 from geoscale_fx.passes.rotary_terms import ComplexValue, RotaryHalf, RotaryTerm, trig_origin
-from geoscale_fx.passes.track import Track, Unsupported
 from geoscale_fx.site_model import Rotary
 
 __all__ = ["table_term", "combine", "join_halves", "to_complex", "complex_mul",
            "from_complex"]
 
 
-def table_term(node: Node, track: Track, table: Node, checker: AngleChecker
+def table_term(node: Node, track: Track, table: Node, records: ReplayRecords
                ) -> Optional[RotaryTerm]:
     """``track * table`` as half of a rotary embedding, or None if the table is neither a
     cos/sin table nor evaluable."""
     trig = trig_origin(table)
     if trig is not None:
         return RotaryTerm(track, *trig, table=table, via=node.name)
-    if checker.evaluate(table) is not None:
+    if records.evaluate(table) is not None:
         return RotaryTerm(track, None, None, 1.0, (), False, table=table, via=node.name)
     return None
 
@@ -50,7 +51,7 @@ def table_term(node: Node, track: Track, table: Node, checker: AngleChecker
 # --------------------------------------------------------------------------------------
 # x·cos + rot(x)·sin, and its halves form
 
-def combine(node: Node, terms: list, checker: AngleChecker, negate: bool):
+def combine(node: Node, terms: list, records: ReplayRecords, negate: bool):
     """``add``/``sub`` of two rotary terms: a whole rotation, or one half of the halves form."""
     if not all(isinstance(t, RotaryTerm) for t in terms):
         raise Unsupported(f"`{node.name}` adds to the query/key something other than a rotary "
@@ -74,11 +75,11 @@ def combine(node: Node, terms: list, checker: AngleChecker, negate: bool):
     own = bc.compact(first.track.feat).reshape(-1, width)[0].tolist()
     other = bc.compact(second.track.feat).reshape(-1, width)[0].tolist()
     if sorted(own) == sorted(other):
-        return _rotate(node, first, second, checker)
+        return _rotate(node, first, second, records)
     return RotaryHalf(first, second)
 
 
-def join_halves(node: Node, halves: list[RotaryHalf], dim: int, checker: AngleChecker
+def join_halves(node: Node, halves: list[RotaryHalf], dim: int, records: ReplayRecords
                 ) -> Track:
     """``cat((x1·c − x2·s, x2·c + x1·s), -1)``: the rotate-half form on the joined tracks."""
     ndim = len(halves[0].direct.track.shape)
@@ -90,7 +91,7 @@ def join_halves(node: Node, halves: list[RotaryHalf], dim: int, checker: AngleCh
                       for f in Track.FIELDS))
     first, second = halves[0], halves[1]
     return _rotate(node, replace(first.direct, track=direct),
-                   replace(first.swapped, track=swapped), checker, halves=(first, second))
+                   replace(first.swapped, track=swapped), records, halves=(first, second))
 
 
 def _pairing(node: Node, a: Track, r: Track) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -116,16 +117,16 @@ def _pairing(node: Node, a: Track, r: Track) -> tuple[list[int], torch.Tensor, t
     return pairing, index, sign[0]
 
 
-def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: AngleChecker,
+def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, records: ReplayRecords,
             halves: tuple[RotaryHalf, RotaryHalf] | None = None) -> Track:
     a, r = c.track, s.track
     width = a.shape[-1]
     pairing, index, sign = _pairing(node, a, r)
     half = width // 2
     rotate_half = pairing == [(j + half) % width for j in range(width)]
-    factor, verified = structural_gain(c, s, checker, pairing, rotate_half, halves)
+    factor, verified = structural_gain(c, s, records, pairing, rotate_half, halves)
     if not verified:
-        measured = measured_gain(c, s, checker, index, sign, width, halves)
+        measured = measured_gain(c, s, records, index, sign, width, halves)
         if measured is not None:
             factor, verified = measured, True
         elif c.trig is None or s.trig is None:
@@ -133,12 +134,12 @@ def _rotate(node: Node, c: RotaryTerm, s: RotaryTerm, checker: AngleChecker,
                               f"`{s.table.name}` could not be evaluated")
     style = ("rotate_half" if rotate_half else
              "interleaved" if pairing == [j ^ 1 for j in range(width)] else "other")
-    checker.record(Rotary(style=style, factor=factor, pairing_verified=verified,
+    records.record(Rotary(style=style, factor=factor, pairing_verified=verified,
                           pairing=tuple(pairing), cos_node=c.table.name, sin_node=s.table.name,
                           signs=tuple(float(v) for v in sign.tolist()),
                           form="halves" if halves else "tables"))
     rows = bc.compact(a.feat).reshape(-1, width).long()
-    checker.partners.append((rows.reshape(-1), rows[:, index].reshape(-1)))
+    records.partners.append((rows.reshape(-1), rows[:, index].reshape(-1)))
     # a rotation of an already rotated value: the gains multiply
     rot = bc.elementwise(lambda v: torch.where(v > 0, v, 1.0) * factor, a.rot)
     return a.with_(rot=rot)
@@ -154,10 +155,10 @@ def to_complex(node: Node, value) -> ComplexValue:
     return ComplexValue(value)
 
 
-def complex_mul(node: Node, value: ComplexValue, other, checker: AngleChecker
+def complex_mul(node: Node, value: ComplexValue, other, records: ReplayRecords
                 ) -> ComplexValue:
     """``x · z``: a rotation of each (real, imaginary) pair scaled by ``|z|``."""
-    bound = modulus_bound(other, checker) if isinstance(other, Node) else None
+    bound = modulus_bound(other, records) if isinstance(other, Node) else None
     if bound is None and isinstance(other, (int, float)):
         bound = abs(float(other))
     if bound is None:
@@ -168,15 +169,15 @@ def complex_mul(node: Node, value: ComplexValue, other, checker: AngleChecker
                         other if isinstance(other, Node) else value.table)
 
 
-def from_complex(node: Node, value: ComplexValue, checker: AngleChecker) -> Track:
+def from_complex(node: Node, value: ComplexValue, records: ReplayRecords) -> Track:
     track = value.track
     if not value.factor:
         return track
     rows = bc.compact(track.feat).reshape(-1, 2).long()
-    checker.partners.append((rows.reshape(-1), rows.flip(-1).reshape(-1)))
+    records.partners.append((rows.reshape(-1), rows.flip(-1).reshape(-1)))
     n = track.shape[-2] * 2
     name = value.table.name if value.table is not None else node.name
-    checker.record(Rotary(style="interleaved", factor=value.factor, pairing_verified=True,
+    records.record(Rotary(style="interleaved", factor=value.factor, pairing_verified=True,
                           pairing=tuple(j ^ 1 for j in range(n)), cos_node=name,
                           sin_node=name, signs=(-1.0, 1.0) * (n // 2), form="complex"))
     rot = bc.elementwise(lambda v: torch.where(v > 0, v, 1.0) * value.factor, track.rot)

@@ -20,21 +20,21 @@ import torch
 from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
-from geoscale_fx.passes import rotary
+from geoscale_fx.passes import rotary_replay
 from geoscale_fx.passes.dtensor import replay_dtensor
 from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, arg, example_value, op_of, scalar_constant, shape_of,
     static_int,
 )
-from geoscale_fx.passes.rotary_gain import AngleChecker
+from geoscale_fx.passes.index_track import Track, Unsupported
+from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotary_terms import ComplexValue, RotaryHalf, RotaryTerm, trig_origin
-from geoscale_fx.passes.track import Track, Unsupported
 
-__all__ = ["Unsupported", "Track", "RotaryTerm", "AngleChecker", "replay", "normalize",
+__all__ = ["Unsupported", "Track", "RotaryTerm", "replay", "normalize",
            "trig_origin"]
 
 
-def replay(path: list[Node], roots: Node | dict[Node, int], resolver: AngleChecker,
+def replay(path: list[Node], roots: Node | dict[Node, int], records: ReplayRecords,
            units: dict[Node, tuple[Node, int]] | None = None,
            assembled: dict[Node, list] | None = None) -> dict[Node, Any]:
     """Replay ``path`` (topologically ordered nodes between the roots and an operand).
@@ -59,11 +59,11 @@ def replay(path: list[Node], roots: Node | dict[Node, int], resolver: AngleCheck
             continue
         if node in units:
             source, unit = units[node]
-            env[node] = normalize(node, env[source], unit, resolver)
+            env[node] = normalize(node, env[source], unit, records)
         elif node in assembled:
             env[node] = _replay_writes(node, assembled[node], env)
         else:
-            env[node] = _replay_node(node, env, resolver)
+            env[node] = _replay_node(node, env, records)
     return env
 
 
@@ -83,7 +83,7 @@ def _replay_writes(node: Node, writes: list, env: dict[Node, Any]) -> Track:
     return Track(*(bc.concat([getattr(p, f) for p in parts], -1) for f in Track.FIELDS))
 
 
-def normalize(node: Node, value: Any, unit: int, checker: AngleChecker) -> Track:
+def normalize(node: Node, value: Any, unit: int, records: ReplayRecords) -> Track:
     """A normalization over the last dim (and its per-channel gains) applied to a track.
 
     Each last-dim row must be one token's vector; its elements keep their feature index, so
@@ -107,7 +107,7 @@ def normalize(node: Node, value: Any, unit: int, checker: AngleChecker) -> Track
             if position.setdefault(f, j) != j:
                 raise Unsupported(f"`{node.name}`: feature {f} sits at different positions "
                                   "of the normalized rows")
-    checker.record_norm(unit, width, position)
+    records.record_norm(unit, width, position)
     return value.with_(gain=torch.ones((), dtype=torch.float32).expand(value.shape),
                        rot=torch.zeros((), dtype=torch.float32).expand(value.shape),
                        src=torch.full((), unit, dtype=torch.int32).expand(value.shape))
@@ -178,15 +178,15 @@ def _single_tracked(node: Node, env: dict[Node, Any]) -> Node:
     return tracked[0]
 
 
-def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any:
+def _replay_node(node: Node, env: dict[Node, Any], records: ReplayRecords) -> Any:
     op = op_of(node)
     if op in ("cat", "stack"):
-        return _replay_concat(node, env, op, checker)
+        return _replay_concat(node, env, op, records)
     if op in ("add", "sub"):
         terms = [env.get(a) if isinstance(a, Node) else None for a in node.args[:2]]
         if all(isinstance(t, Track) for t in terms):
-            return _replay_sum(node, *terms, checker, negate=op == "sub")
-        return rotary.combine(node, terms, checker, negate=op == "sub")
+            return _replay_sum(node, *terms, records, negate=op == "sub")
+        return rotary_replay.combine(node, terms, records, negate=op == "sub")
     if op in VALUE_CASTS and isinstance(node.args[0], Node) and node.args[0] in env:
         return env[node.args[0]]   # ``x.type_as(y)``: y (even if tracked) only lends a dtype
     if op in ("expand_as", "view_as") and node.args[0] in env:
@@ -201,13 +201,13 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
                               "which is neither a constant nor a rotary cos/sin table")
         raise Unsupported(f"`{node.name}` ({op}) uses half of a rotary embedding on its own")
     if node.op == "call_function" and node.target is torch.view_as_complex:
-        return rotary.to_complex(node, value)
+        return rotary_replay.to_complex(node, value)
     if isinstance(value, ComplexValue):
         if node.op == "call_function" and node.target is torch.view_as_real:
-            return rotary.from_complex(node, value, checker)
+            return rotary_replay.from_complex(node, value, records)
         if op == "mul":
             other = node.args[1] if node.args[0] is tracked else node.args[0]
-            return rotary.complex_mul(node, value, other, checker)
+            return rotary_replay.complex_mul(node, value, other, records)
         raise Unsupported(f"`{node.name}` ({op or node.target}) on a complex view of the "
                           "query/key is not a multiply by a rotation table")
     if op == "getitem" and isinstance(value, tuple):
@@ -225,7 +225,7 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
     if op == "neg":
         return value.with_(gain=bc.elementwise(torch.neg, value.gain))
     if op in ("mul", "div"):
-        return _replay_scale(node, tracked, env, op, checker)
+        return _replay_scale(node, tracked, env, op, records)
     if op in ("from_local", "to_local", "redistribute", "full_tensor"):  # tensor parallel
         return replay_dtensor(node, op, value)
     if op in DATA_MOVEMENT:
@@ -234,10 +234,10 @@ def _replay_node(node: Node, env: dict[Node, Any], checker: AngleChecker) -> Any
                       "is not a reshape, slice, cast, scalar scale or rotary embedding")
 
 
-def _replay_sum(node: Node, main: Track, extra: Track, checker: AngleChecker,
+def _replay_sum(node: Node, main: Track, extra: Track, records: ReplayRecords,
                 negate: bool) -> Track:
     """``main ± extra`` element by element (a LoRA adapter's output added to the base
-    projection's): kept as ``main``'s elements, the pairs recorded in ``checker.sums`` for
+    projection's): kept as ``main``'s elements, the pairs recorded in ``records.sums`` for
     the analysis to fold ``extra``'s weights into ``main``'s (same source) or make it a term
     of its own."""
     if main.shape != extra.shape or not bc.all_equal(main.tok, extra.tok) or \
@@ -253,11 +253,11 @@ def _replay_sum(node: Node, main: Track, extra: Track, checker: AngleChecker,
     index = tuple(slice(0, 1) if size > 1 and a == 0 and b == 0 else slice(None)
                   for size, a, b in zip(main.shape, main.feat.stride(), extra.feat.stride()))
     kept, added = main.feat[index].reshape(-1), extra.feat[index].reshape(-1)
-    checker.sums.append((kept, added, float(-ratio[0] if negate else ratio[0])))
+    records.sums.append((kept, added, float(-ratio[0] if negate else ratio[0])))
     return main
 
 
-def _replay_concat(node: Node, env: dict[Node, Any], op: str, checker: AngleChecker
+def _replay_concat(node: Node, env: dict[Node, Any], op: str, records: ReplayRecords
                    ) -> Track:
     tensors = arg(node, 0, "tensors")
     dim = _static(arg(node, 1, "dim", 0), env)
@@ -273,7 +273,7 @@ def _replay_concat(node: Node, env: dict[Node, Any], op: str, checker: AngleChec
         raise Unsupported(f"`{node.name}`: {op} with `{name}`, which does not come from the "
                           "projection (e.g. a KV cache); its logits cannot be bounded")
     if op == "cat" and parts and all(isinstance(p, RotaryHalf) for p in parts):
-        return rotary.join_halves(node, parts, dim, checker)
+        return rotary_replay.join_halves(node, parts, dim, records)
     if not all(isinstance(p, Track) for p in parts):
         raise Unsupported(f"`{node.name}`: {op} of a partial rotary term")
     if op == "cat" and len(parts) == 1:
@@ -283,7 +283,7 @@ def _replay_concat(node: Node, env: dict[Node, Any], op: str, checker: AngleChec
 
 
 def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str,
-                  checker: AngleChecker) -> Any:
+                  records: ReplayRecords) -> Any:
     other = node.args[1] if node.args[0] is tracked else node.args[0]
     if op == "div" and node.args[0] is not tracked:
         raise Unsupported(f"`{node.name}`: divides by the query/key")
@@ -295,9 +295,9 @@ def _replay_scale(node: Node, tracked: Node, env: dict[Node, Any], op: str,
         factor = 1.0 / value if op == "div" else value
         return track.with_(gain=bc.elementwise(lambda g: g * factor, track.gain))
     if op == "mul" and isinstance(other, Node):
-        if trig_origin(other) is None and checker.multiplier(other, track) is not None:
+        if trig_origin(other) is None and records.multiplier(other, track) is not None:
             return track   # a per-position scalar (attention temperature): bounded by max |t|
-        term = rotary.table_term(node, track, other, checker)
+        term = rotary_replay.table_term(node, track, other, records)
         if term is not None:
             return term
     name = other.name if isinstance(other, Node) else repr(other)

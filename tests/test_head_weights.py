@@ -1,5 +1,5 @@
-"""geoscale_fx.heads: per-head weights against explicit slicing of W, and the site bound
-against a float64 brute force, on hand-built sites (no tracing)."""
+"""geoscale_fx.head_weights: per-head weights against explicit slicing of W, on hand-built
+sites (no tracing)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from geoscale_fx import heads
+from geoscale_fx import head_weights
 from geoscale_fx.site_model import AttentionSite, Side, Source, Term
 
 D, DH = 6, 2
@@ -39,7 +39,7 @@ def _site(tensors, with_affine: bool, scale: float = 0.5, **kw) -> AttentionSite
 
 def test_side_heads_is_the_explicit_slice_of_w_with_gain_offset_and_bias():
     t = _tensors(0)
-    a, c = heads.side_heads(_side(Q_FEATURES, True), t.__getitem__)
+    a, c = head_weights.side_heads(_side(Q_FEATURES, True), t.__getitem__)
     assert a.shape == (3, D, DH) and c.shape == (3, DH)
     for h, rows in enumerate(Q_FEATURES):
         w_h = t["w"][list(rows)]                                    # (d_h, d)
@@ -51,71 +51,42 @@ def test_side_heads_is_the_explicit_slice_of_w_with_gain_offset_and_bias():
 
 def test_gather_heads_and_bias_for_a_dense_contiguous_layout():
     w = torch.arange(4 * 8, dtype=torch.float64).reshape(4, 8)         # (d, F), "dense"
-    a = heads.gather_heads(w, "dense", ((2, 3), (4, 5)))
+    a = head_weights.gather_heads(w, "dense", ((2, 3), (4, 5)))
     torch.testing.assert_close(a, torch.stack([w[:, 2:4], w[:, 4:6]]))
     bias = torch.arange(10, dtype=torch.float64)
     # offset: bias index = feature + offset (MHA's separate q/k/v rows of one bias)
-    assert heads.gather_bias(bias, ((2, 3), (4, 5)), offset=3).tolist() == [[5, 6], [7, 8]]
-    assert heads.gather_bias(None, ((0, 1),)) is None
+    assert head_weights.gather_bias(bias, ((2, 3), (4, 5)), offset=3).tolist() == [[5, 6], [7, 8]]
+    assert head_weights.gather_bias(None, ((0, 1),)) is None
 
 
 def test_fold_channel_ops_composes_gains_and_offsets_in_order():
     g1, b1, g2 = torch.tensor([2.0, 3.0]), torch.tensor([1.0, -1.0]), torch.tensor([5.0, 7.0])
     # ((x̂·g1) + b1)·g2 + 4 = x̂·(g1 g2) + (b1 g2 + 4)
-    gain, offset = heads.fold_channel_ops((("mul", g1), ("add", b1), ("mul", g2), ("add", 4.0)),
-                                          lambda n: None, 2)
+    gain, offset = head_weights.fold_channel_ops(
+        (("mul", g1), ("add", b1), ("mul", g2), ("add", 4.0)), lambda n: None, 2)
     assert gain.tolist() == [10.0, 21.0]
     assert offset.tolist() == [9.0, -3.0]
-    gain, offset = heads.fold_channel_ops((("mul", 0.5),), lambda n: None, 3)   # a scalar gain
+    # a scalar gain
+    gain, offset = head_weights.fold_channel_ops((("mul", 0.5),), lambda n: None, 3)
     assert gain.tolist() == [0.5, 0.5, 0.5] and offset is None
-
-
-def test_site_bound_is_attained_without_offsets_and_covers_brute_force_with_them():
-    t = _tensors(1)
-    plain = _site(t, with_affine=False, scale=0.5)
-    bound = heads.site_logit_bound(plain)
-    rho = D ** 0.5
-    for h in range(3):
-        m = t["w"][list(Q_FEATURES[h])].T @ t["w"][list(K_FEATURES[h])]   # x̂ᵀ M ŷ = q_h·k_h
-        u, s, vh = torch.linalg.svd(m)
-        # attained: x̂ = ρ u₁, ŷ = ρ v₁ gives s·ρ²·σ exactly
-        assert float(bound[h]) == pytest.approx(0.5 * rho * rho * float(s[0]), rel=1e-12)
-        assert float(0.5 * (rho * u[:, 0]) @ m @ (rho * vh[0])) == pytest.approx(
-            float(bound[h]), rel=1e-12)
-    affine = _site(t, with_affine=True, scale=0.5)
-    bound = heads.site_logit_bound(affine)
-    g = torch.Generator().manual_seed(2)
-    x = torch.nn.functional.normalize(torch.randn(4000, D, generator=g, dtype=torch.float64),
-                                      dim=-1) * rho                          # ‖x̂‖ = ρ
-    y = torch.nn.functional.normalize(torch.randn(4000, D, generator=g, dtype=torch.float64),
-                                      dim=-1) * rho
-    for h in range(3):
-        fq, fk = list(Q_FEATURES[h]), list(K_FEATURES[h])
-        q = (t["gain"] * x + t["shift"]) @ t["w"][fq].T + t["b"][fq]
-        k = (t["gain"] * y + t["shift"]) @ t["w"][fk].T + t["b"][fk]
-        worst = float((0.5 * q @ k.T).abs().max())
-        assert worst <= float(bound[h])
-        assert worst >= 0.3 * float(bound[h])          # not a vacuous bound
 
 
 def test_refusals_name_the_problem():
     t = _tensors(3)
-    with pytest.raises(ValueError, match="rope_bound must be one of"):
-        heads.site_logit_bound(_site(t, False), rope_bound="bogus")
     unsupported = AttentionSite(name="attn", index=0, kind="sdpa", node="sdpa_1",
                                 reason="no normalization before `q_proj`")
     with pytest.raises(ValueError, match="sdpa_1.*not supported: no normalization"):
-        heads.site_head_weights(unsupported)
+        head_weights.site_head_weights(unsupported)
     one = _site(t, False)
     two = replace(one, terms=one.terms * 2)
-    with pytest.raises(ValueError, match="has 2 terms; use heads.site_term_weights"):
-        heads.site_head_weights(two)
-    assert len(heads.site_term_weights(two)) == 2
+    with pytest.raises(ValueError, match="has 2 terms; use head_weights.site_term_weights"):
+        head_weights.site_head_weights(two)
+    assert len(head_weights.site_term_weights(two)) == 2
 
 
 def test_key_head_norms_is_the_max_norm_per_head():
     keys = torch.randn(2, 7, 3, 4, dtype=torch.float64)          # (B, L, H, d_h): heads axis 2
-    norms = heads.key_head_norms(keys, (2, 3))
+    norms = head_weights.key_head_norms(keys, (2, 3))
     expected = [max(float(keys[b, j, h].norm()) for b in range(2) for j in range(7))
                 for h in range(3)]
     assert norms.dtype == torch.float32

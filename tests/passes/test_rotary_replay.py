@@ -6,9 +6,9 @@ from torch import nn
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds
+from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.provenance import trace_operand
-from geoscale_fx.passes.rotary_gain import AngleChecker
-from geoscale_fx.passes.track import Unsupported
+from geoscale_fx.passes.replay_records import ReplayRecords
 
 B, L, D = 2, 5, 8
 
@@ -37,27 +37,27 @@ def _rotate_half(t):
 def _trace(module):
     (graph,) = capture_graphs(module, torch.randn(B, L, D))
     kinds = ValueKinds(graph.gm.graph, graph.example_inputs)
-    checker = AngleChecker(ParamEvaluator(graph.gm, graph.example_inputs, kinds))
+    records = ReplayRecords(ParamEvaluator(graph.gm, graph.example_inputs, kinds))
     out = next(n for n in graph.gm.graph.nodes if n.op == "output").args[0][0]
     order = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
-    return trace_operand(out, kinds, checker, "query", order), checker
+    return trace_operand(out, kinds, records, "query", order), records
 
 
 def test_rotate_half_is_a_verified_rotation_with_its_scale():
-    trace, checker = _trace(Roped(_rotate_half, scale=1.5))
-    (rotary,) = checker.rotaries
+    trace, records = _trace(Roped(_rotate_half, scale=1.5))
+    (rotary,) = records.rotaries
     assert (rotary.style, rotary.form, rotary.pairing_verified) == ("rotate_half", "tables",
                                                                     True)
     assert rotary.factor == pytest.approx(1.5)
     assert rotary.pairing == (4, 5, 6, 7, 0, 1, 2, 3)
     assert float(trace.track.rot.max()) == pytest.approx(1.5)
-    ((features, partners),) = checker.partners
+    ((features, partners),) = records.partners
     assert sorted(zip(features.tolist(), partners.tolist()))[:2] == [(0, 4), (1, 5)]
 
 
 def test_complex_multiply_by_a_polar_of_ones_is_an_interleaved_rotation():
-    _, checker = _trace(Roped(None, scale=2.0, form="complex"))
-    (rotary,) = checker.rotaries
+    _, records = _trace(Roped(None, scale=2.0, form="complex"))
+    (rotary,) = records.rotaries
     assert (rotary.style, rotary.form, rotary.pairing_verified) == ("interleaved", "complex",
                                                                     True)
     assert rotary.factor == pytest.approx(2.0)

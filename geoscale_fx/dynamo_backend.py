@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
+from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import example_value, parameter_name, upstream
@@ -39,7 +40,6 @@ __all__ = ["GeoscaleBackend", "SiteRecord", "ParameterNames", "backend", "geosca
 
 log = logging.getLogger("geoscale_fx")
 
-_BACKENDS: "weakref.WeakSet[GeoscaleBackend]" = weakref.WeakSet()
 _ARGS_ROOT = re.compile(r"^\[\d+\]\.")
 
 
@@ -108,7 +108,7 @@ class GeoscaleBackend:
         self.runs = 0          # calls of compiled graphs with rewritten sites (host counter)
         self.graph_calls = 0   # calls of any graph this backend compiled (rewritten or not)
         self.runtimes: list = []   # GraphRuntime of every graph with rewritten sites
-        _BACKENDS.add(self)
+        BACKENDS.register(self)     # report(model) finds it (backend_registry)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self.compiles += 1

@@ -1,10 +1,13 @@
+"""geoscale_fx.relative_rope_bound (``rope_bound="relative"``): the exact maximum over position
+pairs, with biases against a brute force, and its refusals."""
 
 import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import rope
-from geoscale_fx.heads import site_head_weights, site_logit_bound
+from geoscale_fx import relative_rope_bound
+from geoscale_fx.head_weights import site_head_weights
+from geoscale_fx.logit_bounds import site_logit_bound
 from tests.attention_variants import D, DH, VARIANTS, _rope_tables, _rotate_every_two, _rotate_half
 
 L = 10
@@ -68,10 +71,10 @@ def test_relative_bound_with_biases_matches_brute_force():
 def test_rotary_frequencies_reject_nonlinear_angles():
     cos, sin = _rope_tables(8, 8)
     pairing = [(j + 4) % 8 for j in range(8)]
-    omega = rope.rotary_frequencies(cos, sin, pairing, 8)
+    omega = relative_rope_bound.rotary_frequencies(cos, sin, pairing, 8)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).double() / 8))
     torch.testing.assert_close(omega, torch.cat([inv_freq, inv_freq]))
     bent = cos.clone()
     bent[5] = torch.cos(torch.arange(8) * 0.3)   # position 5 breaks θ(p) = p·ω
     with pytest.raises(ValueError, match="not linear"):
-        rope.rotary_frequencies(bent, sin, pairing, 8)
+        relative_rope_bound.rotary_frequencies(bent, sin, pairing, 8)

@@ -1,0 +1,125 @@
+"""The certified bound on an attention site's logits, from its per-head weights.
+
+Per term, from the ``HeadWeights`` of ``geoscale_fx.head_weights``: the affine bound of
+``σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂`` (``sigma_bound``), with RoPE the norm product
+``‖A_q,h‖‖A_k,g(h)‖`` (``norm_product_bound``) or the maximum over relative positions
+(``geoscale_fx.relative_rope_bound``); for the site, the terms' sum pushed through the score
+modifiers::
+
+    bound(S) = modifiers( Σ_t bound_t )
+
+They are pure and traceable: the backend calls the same code inside the compiled graph, with
+``resolve`` returning graph values instead of eager tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from geoscale_fx import bounds, relative_rope_bound, spectral
+from geoscale_fx.head_weights import Resolve, site_term_weights
+from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite, HeadWeights, Modifier, Term
+
+__all__ = ["sigma_bound", "norm_product_bound", "term_logit_bound", "apply_modifiers",
+           "site_logit_bound"]
+
+
+# --------------------------------------------------------------------------------------
+# One term
+# --------------------------------------------------------------------------------------
+
+def sigma_bound(term: Term, head_weights: HeadWeights, sigma: torch.Tensor,
+                softmax_scale: float) -> torch.Tensor:
+    """``bounds.affine_logit_bound`` of a term from ``σ`` per head (or per layer, (1,)).
+
+    With RoPE this is the paper's position-independent interaction bound times the rotation
+    gain: an assumption, not a proof (the caller marks the site uncertified).
+    """
+    a_q, c_q, a_k, c_k = head_weights
+    aq_ck, ak_cq, cq_ck = spectral.bias_terms(a_q, c_q, a_k, c_k)
+    if sigma.shape[0] == 1 and aq_ck.shape[0] != 1:  # per layer: the worst head's offsets
+        offsets = (term.q.radius * aq_ck + term.k.radius * ak_cq + cq_ck.abs()).amax()
+        bound = abs(softmax_scale) * (term.q.radius * term.k.radius * sigma.double()
+                                      + offsets).reshape(1)
+    else:
+        bound = bounds.affine_logit_bound(sigma, aq_ck, ak_cq, cq_ck, radius_q=term.q.radius,
+                                          radius_k=term.k.radius,
+                                          softmax_scale=abs(softmax_scale))
+    return bound * term.operand_scale
+
+
+def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Tensor,
+                       ak_norm: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Certified RoPE bound from per-head ``‖A_q,h‖`` (n_q,) and ``‖A_k,g‖`` (n_kv,)."""
+    _, c_q, _, c_k = head_weights
+    group = aq_norm.shape[0] // ak_norm.shape[0]
+    ak_norm = ak_norm.repeat_interleave(group)
+    zeros = aq_norm.new_zeros(aq_norm.shape, dtype=torch.float64)
+    cq_norm = zeros if c_q is None else torch.linalg.vector_norm(c_q.double(), dim=-1)
+    ck_norm = zeros if c_k is None else torch.linalg.vector_norm(
+        c_k.double(), dim=-1).repeat_interleave(group)
+    return bounds.norm_product_logit_bound(aq_norm, ak_norm, cq_norm, ck_norm,
+                                           radius_q=term.q.radius, radius_k=term.k.radius,
+                                           softmax_scale=abs(softmax_scale),
+                                           rotation_gain=term.operand_scale)
+
+
+def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
+                     rope_bound: str) -> torch.Tensor:
+    """Exact per-head bound on one term's contribution to ``|S|``, ``(n_q,)`` float64.
+
+    Without RoPE (or with the paper's ``"interaction"``): ``σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂``
+    exactly. With RoPE the default is the certified norm-product bound; ``"relative"``
+    maximizes over relative positions.
+    """
+    if term.rope and rope_bound == "norm_product":
+        return norm_product_bound(term, head_weights,
+                                  spectral.head_spectral_norms(head_weights.a_q),
+                                  spectral.head_spectral_norms(head_weights.a_k),
+                                  site.softmax_scale)
+    if term.rope and rope_bound == "relative":
+        return relative_rope_bound.relative_logit_bound(site, term, head_weights)
+    sigma = spectral.per_head_sigma_exact(head_weights.a_q, head_weights.a_k)
+    return sigma_bound(term, head_weights, sigma, site.softmax_scale)
+
+
+# --------------------------------------------------------------------------------------
+# The site: sum of terms, then modifiers
+# --------------------------------------------------------------------------------------
+
+def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
+                    resolve: Optional[Resolve] = None) -> torch.Tensor:
+    """Push a bound on ``|Σ_t S_t|`` through the ops before the softmax (graph order).
+
+    * mask, position bias: applied after the quantization, so they leave the bound as is —
+      unless a softcap follows, which then sees ``S + bias`` (unbounded) and caps it;
+    * softcap ``c·tanh(S/c)``: odd and increasing, ``|c·tanh(S/c)| ≤ min(|S|, c)``;
+    * sink: the softmax also receives the sink logits: ``max(bound, max|sink|)``.
+    """
+    kinds = [m.kind for m in modifiers]
+    for i, modifier in enumerate(modifiers):
+        if modifier.kind in ("mask", "position_bias") and "softcap" in kinds[i + 1:]:
+            bound = torch.full_like(bound, float("inf"))
+        elif modifier.kind == "softcap":
+            bound = torch.clamp(bound, max=abs(modifier.value))
+        elif modifier.kind == "sink":
+            sink = resolve(modifier.param).detach().abs().amax().to(bound.dtype)
+            bound = torch.maximum(bound, sink.to(bound.device))
+    return bound
+
+
+def site_logit_bound(site: AttentionSite, rope_bound: Optional[str] = None,
+                     term_weights: Optional[Sequence[HeadWeights]] = None) -> torch.Tensor:
+    """Per-head bound on what the softmax receives, ``(n_q,)`` float64 (exact routes), from
+    the site's current parameter values (``term_weights``: already computed ones).
+    ``rope_bound`` overrides the site's (``site_model.ROPE_BOUNDS``)."""
+    rope_bound = rope_bound or site.rope_bound
+    if rope_bound not in ROPE_BOUNDS:
+        raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
+    site.require_values()
+    if term_weights is None:
+        term_weights = site_term_weights(site)
+    total = sum(term_logit_bound(site, term, hw, rope_bound)
+                for term, hw in zip(site.terms, term_weights))
+    return apply_modifiers(total, site.modifiers, site._resolve)
