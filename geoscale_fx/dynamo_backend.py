@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.passes.aten_trace import aten_graph
 from geoscale_fx.passes.graph_ops import example_value, parameter_name, upstream
 from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.plan import (
@@ -265,7 +266,8 @@ class GeoscaleBackend:
         def build(variant_plans):
             fused = any(p.lowering == "fused" for p in variant_plans)
             return lambda: self._compile(rewrite(gm, variant_plans, names),
-                                         list(example_inputs) + _static(tensors), fused)
+                                         list(example_inputs) + _static(tensors), fused,
+                                         inference=not training)
 
         if self.options.scaling == "geometry" and not training:
             variants = {"reuse": build([reuse_variant(p) for p in plans])}
@@ -275,7 +277,7 @@ class GeoscaleBackend:
             variants["burn_in"] = build([burn_in_variant(p) for p in plans])
         return variants
 
-    def _compile(self, gm: GraphModule, inputs: list, fused: bool):
+    def _compile(self, gm: GraphModule, inputs: list, fused: bool, inference: bool = False):
         compiler = self.options.compiler
         if compiler == "eager":
             return gm.forward
@@ -290,6 +292,8 @@ class GeoscaleBackend:
         patches = {"size_asserts": False}
         if fused:
             patches["epilogue_fusion"] = False
+        if inference:    # ATen operators only: AOTAutograd's cache can key the graph
+            gm = aten_graph(gm, inputs)
         return compile_fx(gm, inputs, config_patches=patches)
 
     # ---- auto-α -------------------------------------------------------------------------

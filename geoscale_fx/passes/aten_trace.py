@@ -1,0 +1,57 @@
+"""A rewritten inference graph as ATen operators, so that Inductor's caches can key it.
+
+The rewrite calls each site's program (``passes.rewrite.make_program``), a Python function
+made for that site. AOTAutograd's cache refuses a graph whose ``call_function`` targets it
+cannot name ("Unsupported call_function target geoscale_…"), so every compile of a
+rewritten graph used to trace it again, run the joint-graph passes and look Inductor's
+cache up from there — most of what made geoscale's compiles several times plain
+Inductor's. ``aten_graph`` traces the rewritten graph once more with ``make_fx`` on the
+fake tensors Dynamo gave its inputs (the same shapes and symbols; the scaling state static),
+so that what AOTAutograd receives is made of ATen operators and higher-order operators
+(flex_attention) only, which its cache keys by value.
+
+Inference graphs only: ``make_fx`` records the operators below autograd, so a ``no_grad``
+region of a training graph could not be told apart afterwards. Tensor-subclass inputs
+(DTensor) and graphs compiled outside Dynamo's compile (no fake inputs to trace with) are
+returned unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = ["aten_graph"]
+
+
+def aten_graph(gm: GraphModule, inputs: Sequence[Any]) -> GraphModule:
+    """``gm`` traced to ATen operators on the fakes of ``inputs`` (``gm`` itself when it
+    cannot be: module docstring). The result takes the same inputs and returns the same
+    outputs."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.fake_mode is None or any(
+            isinstance(x, torch.Tensor) and type(x) not in (torch.Tensor, torch.nn.Parameter,
+                                                            FakeTensor) for x in inputs):
+        return gm
+    fake_mode = context.fake_mode
+    fakes = [_fake(x, fake_mode, context) for x in inputs]
+    with fake_mode:
+        traced = make_fx(gm, tracing_mode="symbolic")(*fakes)
+    # a plain GraphModule: the traced one also holds the ShapeEnv, which the cache key
+    # would hash (a different key on every run)
+    return GraphModule(traced, traced.graph)
+
+
+def _fake(x: Any, fake_mode, context) -> Any:
+    """The fake of one input: Dynamo's own for the model's tensors (its symbolic sizes),
+    static for the rest (the scaling state)."""
+    if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+        return x
+    symbolic = context.tensor_to_context.get(x)
+    if symbolic is not None:
+        return fake_mode.from_tensor(x, symbolic_context=symbolic,
+                                     source=symbolic.tensor_source, trace=False)
+    return fake_mode.from_tensor(x, static_shapes=True)
