@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from geoscale_fx import weight_kv_scales
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -46,3 +48,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if module in DISTRIBUTED_MODULES:
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times a model was traced for its KV-cache scales (``capture_graphs`` calls
+    made by ``geoscale_fx.weight_kv_scales``)."""
+    calls = []
+    original = weight_kv_scales.capture_graphs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(weight_kv_scales, "capture_graphs", counted)
+    return calls

@@ -33,20 +33,6 @@ def _sites(model) -> list[str]:
 
 
 @pytest.fixture
-def traces(monkeypatch):
-    """How many times a model was traced (``capture_graphs`` calls)."""
-    calls = []
-    original = weight_kv_scales.capture_graphs
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(weight_kv_scales, "capture_graphs", counted)
-    return calls
-
-
-@pytest.fixture
 def sdpa_operands(monkeypatch):
     """Every (q, k, v) given to scaled_dot_product_attention, in call order."""
     seen = []

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx import weight_kv_scales
 from geoscale_fx.scaling import NonFiniteWeights
 from geoscale_fx.weight_kv_scales import WeightKVScales
 from tests.hf_models import build_hf
@@ -19,19 +18,6 @@ from tests.hf_models import build_hf
 
 def _ids(batch: int = 1, length: int = 6, seed: int = 0) -> torch.Tensor:
     return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture
-def traces(monkeypatch):
-    calls = []
-    original = weight_kv_scales.capture_graphs
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(weight_kv_scales, "capture_graphs", counted)
-    return calls
 
 
 def test_bounds_hold_every_key_and_value_of_an_eager_forward():
