@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 
 from geoscale_fx import head_weights, spectral
-from geoscale_fx.site_model import AttentionSite, Side
+from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.site_terms import Side
 
 __all__ = ["side_amax", "site_amax_bounds"]
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.dynamo_backend import GeoscaleBackend, ParameterNames
+from geoscale_fx.backend_sites import ParameterNames
+from geoscale_fx.dynamo_backend import GeoscaleBackend
 from geoscale_fx.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "attach_state", "detach_state",

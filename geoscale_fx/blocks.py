@@ -25,7 +25,8 @@ from torch import nn
 
 from geoscale_fx.attach import attach_state
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.dynamo_backend import GeoscaleBackend, ParameterNames
+from geoscale_fx.backend_sites import ParameterNames
+from geoscale_fx.dynamo_backend import GeoscaleBackend
 
 __all__ = ["compile_blocks"]
 

@@ -43,9 +43,9 @@ from typing import Optional, Union
 
 from geoscale_fx.bounds import FP8_MAX
 from geoscale_fx.fp8 import kv_format
+from geoscale_fx.option_rules import check_option_rules, check_recipe_use
 from geoscale_fx.recipes import (ALPHA_POLICIES, BACKEND_ROPE_BOUNDS, DELAYED_RECIPES,
                                  ESTIMATORS, GRANULARITIES, RECIPE_KEYWORDS, RECIPES,
-                                 CurrentRecipe, DelayedRecipe, GeometryRecipe, NoScalingRecipe,
                                  check_alpha, check_delta, check_eta, check_int, check_kappa,
                                  check_one_of, check_quantile, recipe_of)
 
@@ -58,14 +58,6 @@ QUANTIZE = ("scores", "qkv")
 #: how a site whose logits are quantized is lowered ("auto": the plan decides per site)
 KERNELS = ("auto", "fused", "explicit")
 COMPILERS = ("inductor", "aot_eager", "eager")
-
-#: options read only by the geometry policy (``scaling.GeometryScaling``, the fp8_qkv
-#: descales for eta and granularity)
-_GEOMETRY_ONLY = ("granularity", "estimator", "alpha", "eta", "rope_bound", "power_iters",
-                  "cold_start_iters")
-#: options read only by the logit bound's estimators and α: an fp8_qkv site reads none of them
-_LOGIT_BOUND_ONLY = ("estimator", "alpha", "rope_bound", "power_iters", "cold_start_iters")
-
 
 @dataclass(frozen=True)
 class GeoscaleOptions:
@@ -169,73 +161,7 @@ class GeoscaleOptions:
         check_kappa("kappa", self.kappa)
         if self.kv_cache is not None:
             kv_format(self.kv_cache)
-        self._cross_validate()
-
-    def _cross_validate(self) -> None:
-        """Every option that only means something under another one, checked together."""
-        if self.alpha == "auto" and self.scaling != "geometry":
-            raise ValueError("alpha='auto' calibrates the geometry bound; it needs "
-                             f"scaling='geometry', got scaling={self.scaling!r}")
-        if self.scaling != "geometry":
-            self._refuse_changed(_GEOMETRY_ONLY, "scaling='geometry'", "scaling")
-        if self.scaling != "delayed":
-            self._refuse_changed(("delayed_recipe", "history_len"), "scaling='delayed'",
-                                 "scaling")
-        if self.scaling == "none":
-            self._refuse_changed(("fp8_format", "audit"), "a scaling that casts to FP8",
-                                 "scaling")
-        if self.alpha != "auto":
-            self._refuse_changed(("calib_steps", "quantile", "kappa", "alpha0"),
-                                 "alpha='auto'", "alpha")
-        if self._alpha_policy != "theory":
-            where = "alpha0" if self.alpha == "auto" else "alpha"
-            self._refuse_changed(("delta",), "alpha='theory' (or alpha='auto' with "
-                                 "alpha0='theory')", where)
-        if self.estimator == "exact":
-            self._refuse_changed(("power_iters", "cold_start_iters"), "estimator='power'",
-                                 "estimator")
-        if self.granularity == "layer":
-            self._refuse_changed(("rope_bound",), "granularity='head' (per layer the bound "
-                                 "is the position-independent σ already)", "granularity")
-        if self.lowering == "fp8_qkv":
-            self._check_fp8_qkv()
-        if self.lowering == "fused" and self.materializes_scores:
-            reason = "audit=True" if self.audit else f"scaling={self.scaling!r}"
-            raise ValueError("lowering='fused' (kernel='fused') never materializes the "
-                             f"scores, but {reason} observes max|S| every step; use "
-                             "lowering='auto' or 'explicit'")
-
-    def _check_fp8_qkv(self) -> None:
-        if self.scaling != "geometry":
-            raise ValueError("lowering='fp8_qkv' (quantize='qkv') predicts the q/k/v scales "
-                             "from the weights; it needs scaling='geometry', got "
-                             f"scaling={self.scaling!r}")
-        if self.audit or self.alpha == "auto":
-            reason = "audit=True" if self.audit else "alpha='auto'"
-            raise ValueError("lowering='fp8_qkv' (quantize='qkv') never materializes the "
-                             f"logits, but {reason} observes them; use lowering='auto' or "
-                             "'explicit'")
-        for name in _LOGIT_BOUND_ONLY:
-            if self._changed(name):
-                raise ValueError(f"{name}={getattr(self, name)!r} sets the logit bound, which "
-                                 "lowering='fp8_qkv' (quantize='qkv') does not use (its "
-                                 "descales come from the q/k/v amax bounds; sites that fall "
-                                 "back keep the certified "
-                                 "defaults); use lowering='auto' or 'explicit'")
-
-    def _changed(self, name: str) -> bool:
-        return getattr(self, name) != _DEFAULTS[name]
-
-    def _refuse_changed(self, names, needs: str, by: str) -> None:
-        for name in names:
-            if self._changed(name):
-                raise ValueError(f"{name}={getattr(self, name)!r} only applies to {needs}, "
-                                 f"got {by}={getattr(self, by)!r}")
-
-    @property
-    def _alpha_policy(self):
-        """The α policy in force before any calibration: alpha, or alpha0 under auto-α."""
-        return self.alpha0 if self.alpha == "auto" else self.alpha
+        check_option_rules(self)
 
     @property
     def delayed_history_len(self) -> int:
@@ -300,7 +226,7 @@ class GeoscaleOptions:
         lowering = lowering_of(quantize, kernel)
         if not isinstance(audit, bool):
             raise ValueError(f"audit must be True or False, got {audit!r}")
-        _check_recipe_use(recipe, quantize, kernel, audit, *labels)
+        check_recipe_use(recipe, quantize, kernel, audit, *labels)
         return cls(**recipe.flat(), lowering=lowering, audit=audit, compiler=compiler,
                    kv_cache=kv_cache)
 
@@ -345,8 +271,6 @@ class GeoscaleOptions:
                                 labels)
 
 
-_DEFAULTS = {f.name: f.default for f in fields(GeoscaleOptions)}
-
 
 def lowering_of(quantize: str, kernel: str) -> str:
     """The ``lowering`` of a (quantize, kernel) pair: "fp8_qkv" for quantize="qkv" (whose
@@ -360,29 +284,3 @@ def lowering_of(quantize: str, kernel: str) -> str:
                          "chooses how quantized logits are lowered; use kernel='auto' with "
                          "quantize='qkv'")
     return "fp8_qkv" if quantize == "qkv" else kernel
-
-
-def _check_recipe_use(recipe, quantize: str, kernel: str, audit: bool, q_label: str,
-                      k_label: str) -> None:
-    """A recipe against what is quantized, the kernel and audit: each refusal names both."""
-    name = f"recipe={type(recipe).__name__}(...)"
-    if audit and isinstance(recipe, NoScalingRecipe):
-        raise ValueError(f"audit=True counts FP8 overflows, but {name} casts nothing to FP8")
-    if quantize == "qkv":
-        if not isinstance(recipe, GeometryRecipe):
-            raise ValueError(f"{q_label} predicts the q/k/v scales from the weights; it needs "
-                             f"recipe=GeometryRecipe(...), got {name}")
-        if audit or recipe.alpha.value == "auto":
-            reason = "audit=True" if audit else "GeometryRecipe.alpha=Alpha('auto')"
-            raise ValueError(f"{q_label} never materializes the logits, but {reason} "
-                             "observes them; use quantize='scores'")
-        default = GeometryRecipe()
-        for field in _LOGIT_BOUND_ONLY:
-            if getattr(recipe, field) != getattr(default, field):
-                raise ValueError(f"GeometryRecipe.{field}={getattr(recipe, field)!r} sets the "
-                                 f"logit bound, which {q_label} does not use (its descales "
-                                 "come from the q/k/v amax bounds); use quantize='scores'")
-    if kernel == "fused" and (audit or isinstance(recipe, (DelayedRecipe, CurrentRecipe))):
-        reason = "audit=True" if audit else name
-        raise ValueError(f"{k_label} never materializes the scores, but {reason} observes "
-                         "max|S| every step; use kernel='auto' or 'explicit'")

@@ -14,76 +14,33 @@ from __future__ import annotations
 
 import logging
 import re
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.backend_registry import BACKENDS
+from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
+                                       placeholder_values, site_device, site_owners,
+                                       upstream_placeholders)
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.aten_trace import aten_graph
-from geoscale_fx.passes.graph_ops import example_value, parameter_name, upstream
+from geoscale_fx.passes.graph_ops import parameter_name
 from geoscale_fx.passes.rewrite import rewrite
-from geoscale_fx.plan import (
-    GraphContext, SitePlan, Skip, burn_in_variant, plan_site, reuse_variant,
-)
+from geoscale_fx.plan import SitePlan, Skip, burn_in_variant, plan_site, reuse_variant
 from geoscale_fx.runtime import GraphRuntime, finalize_calibration
 from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
 
-__all__ = ["GeoscaleBackend", "SiteRecord", "ParameterNames", "backend", "geoscale_backend"]
+__all__ = ["GeoscaleBackend", "backend", "geoscale_backend"]
 
 log = logging.getLogger("geoscale_fx")
 
 _ARGS_ROOT = re.compile(r"^\[\d+\]\.")
-
-
-@dataclass
-class SiteRecord:
-    """What the backend did with one site (for ``report``)."""
-    site: AttentionSite
-    plan: SitePlan | None
-    state: SiteState | None
-    #: the parameter tensors the site reads (weakly held): which model it belongs to
-    owners: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
-    note: str = ""
-    name: str = ""            # qualified site name (per-block compile: the block's path)
-
-    def __post_init__(self):
-        self.name = self.name or self.site.name
-
-    def belongs_to(self, params: Sequence[torch.Tensor]) -> bool:
-        return any(p in self.owners for p in params)
-
-
-class ParameterNames:
-    """``names(tensor)``: a model's qualified name of a parameter or buffer, or None.
-
-    Read again on a miss: FSDP2 registers the unsharded parameters on the module while it
-    runs, so the tensors a compiled block receives are found under their usual names.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self._model = weakref.ref(model)
-        self._names = WeakIdKeyDictionary()
-
-    def __call__(self, tensor) -> str | None:
-        if not isinstance(tensor, torch.Tensor):
-            return None
-        name = self._names.get(tensor)
-        model = self._model()
-        if name is None and model is not None:
-            for name_, t in list(model.named_parameters(remove_duplicate=False)) + \
-                    list(model.named_buffers(remove_duplicate=False)):
-                self._names.setdefault(t, name_)
-            name = self._names.get(tensor)
-        return name
 
 
 class GeoscaleBackend:
@@ -133,7 +90,7 @@ class GeoscaleBackend:
                  lowerings.count("fused"), lowerings.count("explicit"),
                  lowerings.count("inplace"), lowerings.count("fp8_qkv"),
                  len(sites) - len(plans))
-        training = _graph_context(gm, sites, _placeholder_values(gm, example_inputs),
+        training = graph_context(gm, sites, placeholder_values(gm, example_inputs),
                                   0).training
         runtime = GraphRuntime(gm, example_inputs, plans, states,
                                self._variants(gm, example_inputs, plans, states, training),
@@ -159,11 +116,11 @@ class GeoscaleBackend:
     # ---- planning -----------------------------------------------------------------------
     def _plan_all(self, gm, example_inputs, sites) -> tuple[list[SitePlan], list[SiteState]]:
         """A plan and its state for every site that can be rewritten; the rest recorded."""
-        values = _placeholder_values(gm, example_inputs)
-        ctx = _graph_context(gm, sites, values, self._n_heads_seen(), self.graph_multiplicity)
+        values = placeholder_values(gm, example_inputs)
+        ctx = graph_context(gm, sites, values, self._n_heads_seen(), self.graph_multiplicity)
         plans, states = [], []
         for site in sites:
-            owners = _owners(gm, site, values)
+            owners = site_owners(gm, site, values)
             key, name = self._key(gm, site, sites, owners, values)
             result = plan_site(site, self.options, key, ctx)
             if isinstance(result, Skip):
@@ -184,7 +141,7 @@ class GeoscaleBackend:
                     log.warning("geoscale: %s cannot use the fused lowering (%s)", site.name,
                                 result.lowering_reason)
             state = self.state.get_or_create(result.key, result.state_specs(),
-                                             _device_of(values, site))
+                                             site_device(values, site))
             self.records[result.key] = SiteRecord(site, result, state, owners, name=name)
             plans.append(result)
             states.append(state)
@@ -193,13 +150,13 @@ class GeoscaleBackend:
     def _bind(self, gm, args, plans: list[SitePlan], sites) -> list[SiteState]:
         """States of the modules whose parameters are ``args`` (a graph serving another
         block than the one it was compiled for): keyed like at compile time, cold if new."""
-        values = _placeholder_values(gm, args)
+        values = placeholder_values(gm, args)
         states = []
         for plan in plans:
-            owners = _owners(gm, plan.site, values)
+            owners = site_owners(gm, plan.site, values)
             key, name = self._key(gm, plan.site, sites, owners, values)
             state = self.state.get_or_create(key, plan.state_specs(),
-                                             _device_of(values, plan.site))
+                                             site_device(values, plan.site))
             self.records[key] = SiteRecord(plan.site, plan, state, owners, name=name)
             states.append(state)
         return states
@@ -244,7 +201,7 @@ class GeoscaleBackend:
         parameter (Dynamo's source) against the model's name for that tensor."""
         if self.qualify is None or not site.supported or not site.weight_nodes:
             return None
-        for node in _upstream_placeholders(gm, site.weight_nodes[:1]):
+        for node in upstream_placeholders(gm, site.weight_nodes[:1]):
             full = self.qualify(values.get(node.name))
             relative = parameter_name(node)
             if full and full.endswith(relative):
@@ -316,70 +273,6 @@ def _static(state: list[torch.Tensor]) -> list[torch.Tensor]:
     if context is None or context.fake_mode is None:
         return list(state)
     return [context.fake_mode.from_tensor(t, static_shapes=True) for t in state]
-
-
-def _placeholder_values(gm: GraphModule, example_inputs) -> dict[str, Any]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {n.name: example_inputs[i] for i, n in enumerate(placeholders)
-            if i < len(example_inputs)}
-
-
-def _upstream_placeholders(gm: GraphModule, names: Sequence[str]) -> list[Node]:
-    by_name = {n.name: n for n in gm.graph.nodes}
-    found = [n for n in upstream(by_name[n] for n in names if n in by_name)
-             if n.op == "placeholder"]
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted(found, key=order.__getitem__)     # graph order: the same in every graph
-
-
-def _owners(gm: GraphModule, site: AttentionSite, values: dict) -> WeakIdKeyDictionary:
-    """The parameters a site reads: its weight expressions' inputs, or (sites the analysis
-    could not trace) every parameter upstream of the attention node."""
-    roots = site.parameter_nodes if site.supported else (site.node,)
-    owners = WeakIdKeyDictionary()
-    for node in _upstream_placeholders(gm, roots):
-        value = values.get(node.name)
-        if isinstance(value, torch.nn.Parameter) or (
-                isinstance(value, torch.Tensor) and site.supported):
-            owners[value] = True
-    return owners
-
-
-def _graph_context(gm: GraphModule, sites, values: dict, n_heads_seen: int,
-                   multiplicity: int = 1) -> GraphContext:
-    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
-    device = next((t.device.type for t in tensors if t.is_floating_point()), "cpu")
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    n_total = max(multiplicity * sum(global_heads(s) for s in sites if s.supported),
-                  n_heads_seen)
-    return GraphContext(device=device, training=training, symbolic=_symbolic(gm),
-                        n_heads_total=n_total)
-
-
-def global_heads(site: AttentionSite) -> int:
-    """Query heads of a site over all tensor-parallel ranks (N of alpha="theory")."""
-    return site.shard.n_q_heads if site.shard is not None else site.n_q_heads
-
-
-def _symbolic(gm: GraphModule) -> bool:
-    """Whether Dynamo gave this graph symbolic (dynamic) shapes."""
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        value = example_value(node)
-        if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) for s in value.shape)):
-            return True
-    return False
-
-
-def _device_of(values: dict, site: AttentionSite) -> torch.device:
-    for name in site.weight_nodes:
-        value = values.get(name)
-        if isinstance(value, torch.Tensor):
-            return value.device
-    tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 _DEFAULT: GeoscaleBackend | None = None

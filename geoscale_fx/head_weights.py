@@ -17,7 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from geoscale_fx import spectral
-from geoscale_fx.site_model import AttentionSite, HeadWeights, Side, Term
+from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.site_terms import HeadWeights, Side, Term
 
 __all__ = ["Resolve", "gather_heads", "gather_bias", "fold_channel_ops", "observed_heads",
            "side_heads", "key_head_norms", "term_head_weights", "site_term_weights",

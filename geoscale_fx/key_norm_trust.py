@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 from geoscale_fx.head_weights import key_head_norms
 from geoscale_fx.passes.cached_keys import whole_vector_slices
 from geoscale_fx.passes.graph_ops import op_of
-from geoscale_fx.site_model import Side
+from geoscale_fx.site_terms import Side
 
 __all__ = ["KeyNormTrust"]
 

@@ -19,7 +19,8 @@ import torch
 
 from geoscale_fx import bounds, relative_rope_bound, spectral
 from geoscale_fx.head_weights import Resolve, site_term_weights
-from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite, HeadWeights, Modifier, Term
+from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.site_terms import HeadWeights, Modifier, Term
 
 __all__ = ["sigma_bound", "norm_product_bound", "term_logit_bound", "apply_modifiers",
            "site_logit_bound"]

@@ -28,7 +28,8 @@ LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
     "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
-    "site_model": DATA, "recipes": DATA, "config": DATA, "state": DATA, "layer_scales": DATA,
+    "site_terms": DATA, "site_model": DATA, "recipes": DATA, "option_rules": DATA,
+    "config": DATA, "state": DATA, "layer_scales": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
     "head_weights": NUMERICS, "relative_rope_bound": NUMERICS, "logit_bounds": NUMERICS,
     "amax": NUMERICS, "estimators": NUMERICS,
@@ -53,7 +54,7 @@ LAYERS = {
     "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
     "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,
     # the backend, and the registry of live backends that the report reads
-    "dynamo_backend": BACKEND, "backend_registry": BACKEND,
+    "dynamo_backend": BACKEND, "backend_sites": BACKEND, "backend_registry": BACKEND,
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)
     "attach": ATTACH,
     # the report reads the backend's records; entry points expose it (GeoscaleModule.report)

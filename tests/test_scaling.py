@@ -17,9 +17,8 @@ from geoscale_fx.logit_bounds import apply_modifiers
 from geoscale_fx.scaling import (
     CurrentScaling, DelayedScaling, GeometryScaling, NoScaling, make_policy,
 )
-from geoscale_fx.site_model import (
-    AttentionSite, HeadWeights, Modifier, Rotary, Side, Source, Term,
-)
+from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.site_terms import HeadWeights, Modifier, Rotary, Side, Source, Term
 
 D, DH, NQ, NKV = 24, 6, 4, 2
 

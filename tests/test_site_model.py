@@ -5,9 +5,8 @@ import math
 
 import pytest
 
-from geoscale_fx.site_model import (
-    MODIFIER_KINDS, ROPE_BOUNDS, AttentionSite, Modifier, Rotary, Side, Source, Term,
-)
+from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.site_terms import MODIFIER_KINDS, Modifier, Rotary, Side, Source, Term
 
 
 def _rotary(factor: float) -> Rotary:
