@@ -7,7 +7,11 @@ is listed with the reason) and run on random token ids (B=1, T=32). Per family:
 * **observed**: attention calls seen by spies on the eager forward, independently of geoscale's
   analysis: every ``F.scaled_dot_product_attention`` call (its logits ``S = s·q·kᵀ`` are
   recomputed from q and k, per query head, GQA keys repeated), and every softmax over the last
-  axis of a ≥3-D tensor (``torch.softmax``, ``F.softmax``, ``Tensor.softmax``) outside one;
+  axis of a ≥3-D tensor (``torch.softmax``, ``F.softmax``, ``Tensor.softmax``) outside one
+  whose input is made of a *product of two activations* (``q·kᵀ``): a torch-function mode
+  follows the values of the forward at run time (:class:`_Provenance`), so that a softmax over
+  ``linear(x)`` — an MoE router's experts, hyper-connection stream weights — is not counted as
+  an attention over keys (``Spy.not_attention`` counts those);
 * **geoscale's view**: the sites (supported or not, and why) that the backend's analysis found
   compiling the ``scaling="none"`` wrapper below: ``analyze_graph`` on Dynamo's graphs, what
   ``find_attention`` runs (whose own capture is not repeated, to keep the sweep in 20 min;
@@ -52,6 +56,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tabulate import tabulate
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Spy", "adversarial_inputs", "backend_sites", "family_row", "summary",
            "coverage_plot", "main"]
@@ -67,11 +74,97 @@ class Call:
     amax: torch.Tensor | None = None
 
 
+#: labels of a value in the eager forward: made of the model's state and constants only; of
+#: the inputs (an activation); of a product of two activations since the last projection
+_STATE, _ACTIVATION, _PRODUCT = 0, 1, 2
+#: contractions: their factors (position, keyword), the rest being added terms (bias); None:
+#: every tensor argument is a factor
+_TWO = ((0, "input"), (1, "other"))
+_CONTRACTIONS = {"matmul": _TWO, "__matmul__": _TWO, "__rmatmul__": _TWO,
+                 "mm": ((0, "input"), (1, "mat2")), "bmm": ((0, "input"), (1, "mat2")),
+                 "linear": ((0, "input"), (1, "weight")),
+                 "addmm": ((1, "mat1"), (2, "mat2")), "baddbmm": ((1, "batch1"), (2, "batch2")),
+                 "addbmm": ((1, "batch1"), (2, "batch2")), "tensordot": ((0, "a"), (1, "b")),
+                 "einsum": None, "bilinear": None}
+#: a new computation starts after these (as in geoscale's own search for ``QKᵀ``)
+_BARRIERS = {"layer_norm", "rms_norm", "group_norm", "scaled_dot_product_attention",
+             "multi_head_attention_forward"}
+
+
+class _Provenance(TorchFunctionMode):
+    """Labels every tensor of an eager forward by what it is made of (:data:`_STATE`,
+    :data:`_ACTIVATION`, :data:`_PRODUCT`): a tensor first seen as an argument is state if it is
+    a parameter or one of ``state`` (the model's buffers), an activation otherwise; an op's
+    output takes the highest label of its inputs, except that a contraction of two activations
+    is a product, a contraction with state (a projection) or a normalization is an activation.
+    A softmax is an attention over keys when its input is a product: the ``QKᵀ`` behind it,
+    whatever the casts, scales, masks and reshapes between (a router's ``softmax(linear(x))``
+    is not). Bookkeeping never changes what an op computes, and a failure of it is ignored."""
+
+    def __init__(self, state=()):
+        super().__init__()
+        self._state = {id(t) for t in state}
+        self._labels = WeakIdKeyDictionary()
+        self.paused = False
+
+    def label(self, t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return _STATE
+        got = self._labels.get(t)
+        if got is None:
+            got = _STATE if isinstance(t, torch.nn.Parameter) or id(t) in self._state \
+                else _ACTIVATION
+            self._labels[t] = got
+        return got
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused:
+            return out
+        try:
+            self._propagate(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 — a spy never breaks the forward it watches
+            pass
+        return out
+
+    def _propagate(self, func, args, kwargs, out) -> None:
+        name = getattr(func, "__name__", "")
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        label = max((self.label(t) for t in inputs), default=_STATE)
+        if name in _CONTRACTIONS:
+            where = _CONTRACTIONS[name]
+            factors = inputs if where is None else [
+                args[i] if i < len(args) else kwargs.get(key) for i, key in where]
+            factors = [f for f in factors if isinstance(f, torch.Tensor)]
+            if len(factors) < 2:               # an unknown signature: every tensor, to be safe
+                factors = inputs
+            if label >= _ACTIVATION:
+                both = len(factors) >= 2 and all(self.label(f) >= _ACTIVATION for f in factors)
+                label = _PRODUCT if both else _ACTIVATION
+        elif name in _BARRIERS:
+            label = min(label, _ACTIVATION)
+        if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+            if args and isinstance(args[0], torch.Tensor):     # in place: the target changes
+                self._labels[args[0]] = max(self.label(args[0]), label)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._labels[t] = label if t is not (args[0] if args else None) \
+                    else max(self.label(t), label)
+
+
 @dataclass
 class Spy:
-    """Counts attention calls of eager forwards (patches restored on exit, re-entry ignored)."""
+    """Counts attention calls of eager forwards (patches restored on exit, re-entry ignored):
+    every SDPA call, and every softmax over the last axis of a ≥3-D tensor that is made of a
+    product of two activations (:class:`_Provenance`); ``not_attention`` counts the other
+    softmaxes over the last axis of a ≥3-D tensor (routers, gates). ``state``: the tensors that
+    are the model's state besides its parameters (its buffers)."""
     calls: list[Call] = field(default_factory=list)
+    not_attention: int = 0
+    state: tuple = ()
     _depth: int = 0
+    _provenance: _Provenance | None = None
 
     @contextmanager
     def watching(self):
@@ -80,16 +173,23 @@ class Spy:
                      (F, "scaled_dot_product_attention"): F.scaled_dot_product_attention}
         for (owner, name), fn in originals.items():
             setattr(owner, name, self._spied(name, fn))
+        self._provenance = _Provenance(self.state)
         try:
-            yield self
+            with self._provenance:
+                yield self
         finally:
+            self._provenance = None
             for (owner, name), fn in originals.items():
                 setattr(owner, name, fn)
 
     def _spied(self, name: str, fn):
         def spied(*args, **kwargs):
             if self._depth == 0:
-                self._record(name, args, kwargs)
+                paused, self._provenance.paused = self._provenance.paused, True
+                try:                           # the spy's own computations are not followed
+                    self._record(name, args, kwargs)
+                finally:
+                    self._provenance.paused = paused
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -102,10 +202,13 @@ class Spy:
             q, k = (list(args[:2]) + [kwargs.get("query"), kwargs.get("key")][len(args):])[:2]
             self.calls.append(Call("sdpa", _sdpa_amax(q, k, kwargs.get("scale"))))
             return
-        x = args[0]
+        x = args[0] if args else kwargs.get("input")
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if isinstance(x, torch.Tensor) and x.dim() >= 3 and dim in (-1, x.dim() - 1):
-            self.calls.append(Call("softmax"))
+            if self._provenance.label(x) == _PRODUCT:
+                self.calls.append(Call("softmax"))
+            else:
+                self.not_attention += 1
 
 
 @torch.no_grad()
@@ -128,7 +231,7 @@ def _logits(out) -> torch.Tensor:
 
 def _observe(model, inputs: dict) -> tuple[torch.Tensor, list[Call]]:
     """Eager logits and the attention calls of one forward."""
-    spy = Spy()
+    spy = Spy(state=tuple(model.buffers()))
     with spy.watching(), torch.no_grad():
         logits = _logits(model(**inputs))
     return logits, spy.calls

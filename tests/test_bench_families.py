@@ -30,10 +30,11 @@ def test_sdpa_spy_recomputes_gqa_logits_per_query_head():
 
 
 def test_softmax_spy_counts_key_axis_softmaxes_once():
-    x = torch.randn(2, 3, 4, 4)
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
     originals = (torch.softmax, F.softmax, torch.Tensor.softmax)
     spy = Spy()
     with spy.watching():
+        x = q @ k.transpose(-1, -2)      # (2, 3, 4, 4) logits, a product of two activations
         F.softmax(x, dim=-1)             # calls Tensor.softmax inside: one call, not two
         torch.softmax(x, 3)
         x.softmax(-1)
@@ -41,6 +42,61 @@ def test_softmax_spy_counts_key_axis_softmaxes_once():
         torch.softmax(x[0, 0], -1)       # 2-D: a router, not attention
     assert [c.kind for c in spy.calls] == ["softmax"] * 3
     assert (torch.softmax, F.softmax, torch.Tensor.softmax) == originals
+
+
+class _RouterAndGate(torch.nn.Module):
+    """An MoE router's softmax over linear(x) (3-D, zaya) and hyper-connection stream weights
+    (4-D, (B, T, hc, hc), deepseek_v4): softmaxes over the last axis of ≥3-D tensors that are no
+    attention over keys; then two attentions (counted): logits through casts, a scale, a mask
+    and a concatenated sink, and ALiBi's ``bias.baddbmm(batch1=q, batch2=kᵀ)`` (Bloom)."""
+
+    def __init__(self, d=16, hc=4, experts=5):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d)
+        self.router = torch.nn.Linear(d, experts)
+        self.fn = torch.nn.Parameter(torch.randn(hc * hc, d))
+        self.base = torch.nn.Parameter(torch.zeros(hc * hc))
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.register_buffer("causal", torch.ones(8, 8, dtype=torch.bool).tril())
+        self.hc = hc
+
+    def forward(self, x):                                          # (B, T, d)
+        h = self.norm(x)
+        probs = torch.softmax(self.router(h), dim=-1)              # (B, T, experts)
+        comb_w = F.linear(h, self.fn.float()) + self.base
+        comb = torch.softmax(comb_w.view(*x.shape[:2], self.hc, self.hc), dim=-1)
+        q, k, v = self.qkv(h).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        s = (q.float() @ k.float().transpose(-1, -2) * 8 ** -0.5).masked_fill(~self.causal, -1e9)
+        s = torch.cat([s, torch.zeros_like(s[..., :1])], dim=-1)   # a sink column
+        p = F.softmax(s, dim=-1)[..., :-1]
+        q, k = q.flatten(0, 1), k.flatten(0, 1)                    # (B·H, T, d_h)
+        alibi = torch.zeros(q.shape[0], 1, q.shape[1])
+        s = alibi.baddbmm(batch1=q, batch2=k.transpose(1, 2), beta=1.0, alpha=8 ** -0.5)
+        return p @ v + (s.softmax(-1) @ v.flatten(0, 1)).view_as(v), probs, comb
+
+
+def test_softmax_spy_counts_only_softmaxes_over_a_product_of_activations():
+    model = _RouterAndGate()
+    x, spy = torch.randn(2, 8, 16), Spy(state=tuple(model.buffers()))
+    with spy.watching(), torch.no_grad():
+        out = model(x)
+    with torch.no_grad():
+        for got, expected in zip(out, model(x)):    # the spy changes nothing it watches
+            torch.testing.assert_close(got, expected)
+    assert [c.kind for c in spy.calls] == ["softmax", "softmax"]
+    assert spy.not_attention == 2                  # the router and the stream weights
+
+
+@pytest.mark.parametrize("model_type,layers", [("deepseek_v4", 3), ("zaya", 2)])
+def test_router_and_stream_softmaxes_are_not_silent_misses(model_type, layers):
+    """deepseek_v4's hyper-connection softmax (B, T, hc, hc) and zaya's MoE router softmax
+    (B, T, experts) were counted as attention calls: 6 and 2 silent misses."""
+    row = family_row(model_type, timeout=120)
+    if not row["built"]:
+        pytest.skip(row["error"])
+    assert row["error"] == ""
+    assert row["calls"] == row["sites"] == layers and row["silent"] == 0
+    assert sum(row["reasons"].values()) == layers - row["supported"]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
