@@ -20,8 +20,7 @@ functions of the numerics modules — ``head_weights.site_term_weights(site)``,
 ``is_certified``.
 
 The parts a site is built from (``Rotary``, ``Source``, ``Side``, ``Term``, ``Modifier``,
-``HeadWeights``) live in ``geoscale_fx.site_terms``; they are re-exported here for the
-analysis passes that import them from this module.
+``HeadWeights``) live in ``geoscale_fx.site_terms``.
 """
 from __future__ import annotations
 
@@ -30,14 +29,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from geoscale_fx.site_terms import (MODIFIER_KINDS, HeadWeights, Modifier, Rotary, Side,
-                                    Source, Term)
+from geoscale_fx.site_terms import Modifier, Side, Term
 
 if TYPE_CHECKING:
     from geoscale_fx.config import GeoscaleOptions
 
-__all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "AttentionSite",
-           "ROPE_BOUNDS", "MODIFIER_KINDS", "is_certified"]
+__all__ = ["AttentionSite", "ROPE_BOUNDS", "is_certified"]
 
 #: How a RoPE site's logits are bounded: "norm_product" (certified, default),
 #: "relative" (certified, exact max over relative positions) or "interaction" (the paper's

@@ -1,4 +1,4 @@
-"""One side of a logit term (``site_model.Side``) from what the analysis traced.
+"""One side of a logit term (``site_terms.Side``) from what the analysis traced.
 
 A side is ``q_h = R(A_hᵀ x̂ + c_h)``: the normalized ``Source`` ``x̂`` the projection reads
 (or the QK-norm unit the operand is made of: then the side has no weight of its own), the
@@ -22,7 +22,7 @@ from geoscale_fx.passes.provenance import (
 )
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import rotated_partners
-from geoscale_fx.site_model import Side, Source
+from geoscale_fx.site_terms import Side, Source
 
 __all__ = ["source_of", "side_of", "projection_side", "side_rotary", "position_gain"]
 

@@ -2,7 +2,7 @@
 
 ``softmax_scale = s · gain`` (``s``: the score scale read off the graph; ``gain``: scalar
 factors on the operands, ``Side.operand_gain``), the query/key lengths, the terms of the
-logits, the score modifiers in graph order (``site_model.MODIFIER_KINDS``) and the query head
+logits, the score modifiers in graph order (``site_terms.MODIFIER_KINDS``) and the query head
 of each score slice (``head_mapping.score_head_period``). A softmax scale that is not a
 compile-time constant is refused naming the attention node.
 """
@@ -13,7 +13,7 @@ import math
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.head_mapping import score_head_period
 from geoscale_fx.passes.index_track import Unsupported
-from geoscale_fx.site_model import Modifier, Term
+from geoscale_fx.site_terms import Modifier, Term
 
 __all__ = ["site_fields"]
 
