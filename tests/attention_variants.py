@@ -74,6 +74,8 @@ class Block(nn.Module):
         self.q_norm = RMSNormDecomposed(DH, style=qk_norm) if qk_norm else None
         self.k_norm = RMSNormDecomposed(DH, style=qk_norm) if qk_norm else None
         self.layout, self.attn, self.rope, self.prescale = layout, attn, rope, prescale
+        if attn == "multiplied":
+            self.register_buffer("causal", torch.ones(64, 64).tril().view(1, 1, 64, 64))
         self.kv_heads = H // gqa
         self.partial_rope = partial_rope
         if layout == "separate":
@@ -148,6 +150,10 @@ class Block(nn.Module):
             p = F.softmax(s.float(), dim=-1).to(q.dtype)
             return torch.bmm(p, v.reshape(B * H, L, DH)).view(B, H, L, DH)
         s = (q @ k.transpose(-2, -1)) * scale
+        if self.attn == "multiplied":   # GPT-1: S·b + (-1e4)·(1 - b), b a 0/1 causal buffer
+            b = self.causal[:, :, :L, :L]
+            s = s * b + -1e4 * (1 - b)
+            return F.softmax(s, dim=-1) @ v
         if self.attn == "floored":   # XGLM: an additive mask, then a floor at finfo.min
             s = s + torch.full((L, L), torch.finfo(s.dtype).min).triu(1)
             s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
@@ -247,6 +253,8 @@ VARIANTS = {
     "rope_interleaved": (block(rope="interleaved", attn="explicit"), dict(rope=True)),
     "rope_partial": (block(rope="half", partial_rope=True), dict(rope=True)),
     "floored_mask": (block(attn="floored"), dict(has_mask=True)),
+    # GPT-1 (openai-gpt): a multiplicative 0/1 causal mask, S·b + (-1e4)·(1 - b)
+    "multiplied_mask": (block(attn="multiplied"), dict(has_mask=True)),
     "rope_reshape_as": (block(rope="roformer", attn="explicit"), dict(rope=True)),
     # Gemma 4: RMSNorm's rsqrt written as pow(·, -0.5), before the projections and as QK-norm
     "qk_norm_pow_rope": (block(norm="gemma_pow", qk_norm="pow", rope="half"),

@@ -164,6 +164,12 @@ def _walk_scores(node, kinds: ValueKinds, cand: CandidateDraft, depth: int) -> O
             if value is not None and value != 0:
                 cand.scale *= value if op == "mul" else 1.0 / value
                 return _walk_scores(x, kinds, cand, depth + 1)
+        if op == "mul":
+            # ``S · b`` with a tensor no input flows into (GPT-1's 0/1 causal buffer): a
+            # multiplicative mask, applied after the quantized scores as an additive one is
+            for x, c in ((a, b), (b, a)):
+                if isinstance(c, Node) and not kinds.is_activation(c):
+                    return _through_mask(node, (x,), kinds, cand, depth)
         return None
     if op == "add":
         return _through_mask(node, node.args[:2], kinds, cand, depth)
