@@ -220,6 +220,10 @@ NOT_ATTENTION = {
     "probabilities_not_multiplied": lambda q, k, v, m, keep: F.softmax(q @ _kt(k) * S, -1),
     "probabilities_on_the_right": lambda q, k, v, m, keep: _kt(v) @ F.softmax(q @ _kt(k), -1),
     "nonlinearity_on_scores": lambda q, k, v, m, keep: F.softmax(torch.relu(q @ _kt(k)), -1) @ v,
+    # a product of the scores with an activation (a gate from the input), unlike a mask
+    # buffer (``multiplied_mask`` in tests/attention_variants.py), is not a score modifier
+    "scores_times_an_activation": lambda q, k, v, m, keep: F.softmax(
+        q @ _kt(k) * torch.sigmoid(q.sum(-1, keepdim=True)), -1) @ v,
 }
 
 
