@@ -249,8 +249,15 @@ class GeoscaleBackend:
         patches = {"size_asserts": False}
         if fused:
             patches["epilogue_fusion"] = False
-        if inference:    # ATen operators only: AOTAutograd's cache can key the graph
-            gm = aten_graph(gm, inputs)
+        traced = aten_graph(gm, inputs) if inference else gm
+        if traced is not gm:    # ATen operators only: AOTAutograd's cache can key the graph
+            try:
+                return compile_fx(traced, inputs, config_patches=patches)
+            except Exception as exc:   # the trace only saves compile time: never lose the graph
+                counters["geoscale"]["aten_trace_fallbacks"] += 1
+                log.info("geoscale: the ATen trace of a graph did not compile (%s: %s); "
+                         "compiling the rewritten graph as it is", type(exc).__name__,
+                         str(exc).splitlines()[0][:200])
         return compile_fx(gm, inputs, config_patches=patches)
 
     # ---- auto-α -------------------------------------------------------------------------

@@ -10,10 +10,11 @@ fake tensors Dynamo gave its inputs (the same shapes and symbols; the scaling st
 so that what AOTAutograd receives is made of ATen operators and higher-order operators
 (flex_attention) only, which its cache keys by value.
 
-Inference graphs only: ``make_fx`` records the operators below autograd, so a ``no_grad``
-region of a training graph could not be told apart afterwards. Tensor-subclass inputs
-(DTensor) and graphs compiled outside Dynamo's compile (no fake inputs to trace with) are
-returned unchanged.
+Inference graphs with static shapes only: ``make_fx`` records the operators below autograd,
+so a ``no_grad`` region of a training graph could not be told apart afterwards; with
+symbolic shapes it records ``view``s whose legality depends on strides. Tensor-subclass
+inputs (DTensor) and graphs compiled outside Dynamo's compile (no fake inputs to trace with)
+are returned unchanged too.
 """
 from __future__ import annotations
 
@@ -38,11 +39,22 @@ def aten_graph(gm: GraphModule, inputs: Sequence[Any]) -> GraphModule:
         return gm
     fake_mode = context.fake_mode
     fakes = [_fake(x, fake_mode, context) for x in inputs]
+    if any(_symbolic(x) for x in fakes):
+        return gm
     with fake_mode:
         traced = make_fx(gm, tracing_mode="symbolic")(*fakes)
     # a plain GraphModule: the traced one also holds the ShapeEnv, which the cache key
     # would hash (a different key on every run)
     return GraphModule(traced, traced.graph)
+
+
+def _symbolic(x: Any) -> bool:
+    """A symbolic size, or a tensor with one: the trace would record views whose legality
+    depends on strides that AOTAutograd's own fakes may not share (a dynamic recompile
+    failed with "Cannot view a tensor with shape [s72, 4, 32, 128] and strides …")."""
+    if isinstance(x, torch.SymInt):
+        return True
+    return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
 
 
 def _fake(x: Any, fake_mode, context) -> Any:

@@ -40,3 +40,30 @@ def test_an_inference_graph_is_cached_by_aotautograd_and_computes_the_same():
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
     for out in outputs:
         torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+
+
+def _unfit(x):
+    raise RuntimeError("an operator the trace got wrong")
+
+
+@pytest.mark.inductor
+def test_a_trace_that_does_not_compile_falls_back_to_the_rewritten_graph(monkeypatch):
+    """The trace only saves compile time: if its graph fails to compile, the rewritten
+    graph is compiled as it is (same outputs), and the fallback is counted."""
+    from geoscale_fx import dynamo_backend
+
+    def broken(gm, inputs):
+        graph = torch.fx.Graph()
+        args = [graph.placeholder(f"x{i}") for i in range(len(inputs))]
+        graph.output(graph.call_function(_unfit, (args[0],)))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    monkeypatch.setattr(dynamo_backend, "aten_graph", broken)
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        out = geoscale_fx.wrap(_model(), compiler="inductor")(ids)[0]
+        reference = geoscale_fx.wrap(_model(), compiler="aot_eager")(ids)[0]
+    assert counters["geoscale"]["aten_trace_fallbacks"] == 1
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
