@@ -375,7 +375,7 @@ def test_decode_reuses_the_weight_bound_until_an_optimizer_step_changes_the_weig
 
 
 @pytest.mark.xfail(strict=True, reason="runtime.weights_signature reads _version, which a "
-                   "write through .data does not bump: the reuse variant keeps a stale bound")
+                   "write through .data does not bump: the bound is not refreshed")
 def test_a_write_through_data_between_calls_is_seen():
     model = _nanogpt("nanogpt-sdpa")
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(3))
