@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from geoscale_fx.recipes import CurrentRecipe, DelayedRecipe, GeometryRecipe, NoScalingRecipe
+from geoscale_fx.recipes import (CurrentRecipe, DelayedRecipe, GeometryRecipe, NoScalingRecipe,
+                                 check_estimator_choices, refuse_changed)
 
 __all__ = ["check_option_rules", "check_recipe_use"]
 
@@ -35,27 +36,22 @@ def check_option_rules(options) -> None:
         raise ValueError("alpha='auto' calibrates the geometry bound; it needs "
                          f"scaling='geometry', got scaling={options.scaling!r}")
     if options.scaling != "geometry":
-        _refuse_changed(options, _GEOMETRY_ONLY, "scaling='geometry'", "scaling")
+        refuse_changed(options, _GEOMETRY_ONLY, "scaling='geometry'", "scaling")
     if options.scaling != "delayed":
-        _refuse_changed(options, ("delayed_recipe", "history_len"), "scaling='delayed'",
+        refuse_changed(options, ("delayed_recipe", "history_len"), "scaling='delayed'",
                         "scaling")
     if options.scaling == "none":
-        _refuse_changed(options, ("fp8_format", "audit"), "a scaling that casts to FP8",
+        refuse_changed(options, ("fp8_format", "audit"), "a scaling that casts to FP8",
                         "scaling")
     if options.alpha != "auto":
-        _refuse_changed(options, ("calib_steps", "quantile", "kappa", "alpha0"),
+        refuse_changed(options, ("calib_steps", "quantile", "kappa", "alpha0"),
                         "alpha='auto'", "alpha")
     alpha_policy = options.alpha0 if options.alpha == "auto" else options.alpha
     if alpha_policy != "theory":
         where = "alpha0" if options.alpha == "auto" else "alpha"
-        _refuse_changed(options, ("delta",), "alpha='theory' (or alpha='auto' with "
+        refuse_changed(options, ("delta",), "alpha='theory' (or alpha='auto' with "
                         "alpha0='theory')", where)
-    if options.estimator == "exact":
-        _refuse_changed(options, ("power_iters", "cold_start_iters"), "estimator='power'",
-                        "estimator")
-    if options.granularity == "layer":
-        _refuse_changed(options, ("rope_bound",), "granularity='head' (per layer the bound "
-                        "is the position-independent σ already)", "granularity")
+    check_estimator_choices(options)
     if options.lowering == "fp8_qkv":
         _check_fp8_qkv(options)
     if options.lowering == "fused" and options.materializes_scores:
@@ -88,15 +84,6 @@ def _check_fp8_qkv(options) -> None:
 def _changed(options, name: str) -> bool:
     """Whether ``name`` is set away from its default."""
     return getattr(options, name) != _default(options, name)
-
-
-def _refuse_changed(options, names, needs: str, by: str) -> None:
-    """A ``ValueError`` for the first of ``names`` set away from its default: it only
-    applies to ``needs``, which option ``by`` rules out."""
-    for name in names:
-        if _changed(options, name):
-            raise ValueError(f"{name}={getattr(options, name)!r} only applies to {needs}, "
-                             f"got {by}={getattr(options, by)!r}")
 
 
 def _default(options, name: str):

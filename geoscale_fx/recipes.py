@@ -107,13 +107,27 @@ def _as_alpha(value) -> Alpha:
                      f"{ALPHA_POLICIES}, got {value!r}")
 
 
-def _refuse_changed(recipe, names, needs: str, by: str) -> None:
-    cls = type(recipe).__name__
-    defaults = {f.name: f.default for f in fields(recipe)}
+def refuse_changed(options, names, needs: str, by: str, label: str = "") -> None:
+    """A ``ValueError`` for the first of ``names`` set away from its dataclass default: it
+    only applies to ``needs``, which field ``by`` rules out (``label``: the prefix the
+    message names fields with, e.g. ``"GeometryRecipe."``; flat options use none)."""
+    defaults = {f.name: f.default for f in fields(options)}
     for name in names:
-        if getattr(recipe, name) != defaults[name]:
-            raise ValueError(f"{cls}.{name}={getattr(recipe, name)!r} only applies to "
-                             f"{needs}, got {cls}.{by}={getattr(recipe, by)!r}")
+        if getattr(options, name) != defaults[name]:
+            raise ValueError(f"{label}{name}={getattr(options, name)!r} only applies to "
+                             f"{needs}, got {label}{by}={getattr(options, by)!r}")
+
+
+def check_estimator_choices(options, label: str = "") -> None:
+    """The geometry estimator's fields that another one rules out (the flat options and
+    ``GeometryRecipe`` share the names): iterations of the power estimator, the RoPE bound
+    of per-head granularity."""
+    if options.estimator == "exact":
+        refuse_changed(options, ("power_iters", "cold_start_iters"), "estimator='power'",
+                       "estimator", label)
+    if options.granularity == "layer":
+        refuse_changed(options, ("rope_bound",), "granularity='head' (per layer the bound "
+                       "is the position-independent σ already)", "granularity", label)
 
 
 # --------------------------------------------------------------------------------------
@@ -149,13 +163,13 @@ class Alpha:
         check_quantile("Alpha.quantile", self.quantile)
         check_kappa("Alpha.kappa", self.kappa)
         if self.value != "auto":
-            _refuse_changed(self, ("calib_steps", "quantile", "kappa", "alpha0"),
-                            "Alpha('auto')", "value")
+            refuse_changed(self, ("calib_steps", "quantile", "kappa", "alpha0"),
+                           "Alpha('auto')", "value", "Alpha.")
         policy = self.alpha0 if self.value == "auto" else self.value
         if policy != "theory":
-            _refuse_changed(self, ("delta",),
-                            "Alpha('theory') or Alpha('auto', alpha0='theory')",
-                            "alpha0" if self.value == "auto" else "value")
+            refuse_changed(self, ("delta",),
+                           "Alpha('theory') or Alpha('auto', alpha0='theory')",
+                           "alpha0" if self.value == "auto" else "value", "Alpha.")
 
 
 @dataclass(frozen=True)
@@ -198,12 +212,7 @@ class GeometryRecipe:
         check_eta("GeometryRecipe.eta", self.eta)
         check_int("GeometryRecipe.power_iters", self.power_iters, 1)
         check_int("GeometryRecipe.cold_start_iters", self.cold_start_iters, 1)
-        if self.estimator == "exact":
-            _refuse_changed(self, ("power_iters", "cold_start_iters"), "estimator='power'",
-                            "estimator")
-        if self.granularity == "layer":
-            _refuse_changed(self, ("rope_bound",), "granularity='head' (per layer the bound "
-                            "is the position-independent σ already)", "granularity")
+        check_estimator_choices(self, "GeometryRecipe.")
 
     def flat(self) -> dict:
         a = self.alpha
