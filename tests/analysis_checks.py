@@ -4,19 +4,116 @@ The graph is re-run with ``torch.fx.Interpreter`` recording every node; queries 
 read from the attention's own operands (before RoPE: the operand of the ``· cos`` product),
 the normalized input x̂ is recomputed from the normalization's *input* with torch's own
 ``layer_norm`` / ``rms_norm`` (no affine), and logits come from the operands, not from the
-analysis.
+analysis; ``ascend_inputs_embeds`` pushes the inputs against a bound.
+
+Shared with them: ``assert_none_scaling_equals_eager`` (the converted model under
+``scaling="none"`` against eager), ``analysed_site`` (the one site of a model) and
+``Captured`` (the provenance passes on a captured graph's outputs).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from torch.fx import Interpreter
+from torch.fx import GraphModule, Interpreter, Node
 
+import geoscale_fx
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.head_weights import site_head_weights, site_term_weights
 from geoscale_fx.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.graph_ops import arg, matmul_operands, op_of
+from geoscale_fx.passes.evaluate import ParamEvaluator
+from geoscale_fx.passes.graph_ops import ValueKinds, arg, matmul_operands, op_of
+from geoscale_fx.passes.provenance import (NormalizedInput, find_projection,
+                                           trace_normalized_input, trace_operand)
+from geoscale_fx.passes.replay_records import ReplayRecords
+
+
+def model_output(out) -> torch.Tensor:
+    """The tensor a model call answers: a Hugging Face output's ``logits``, a tuple's first
+    element, else the output itself."""
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _call(model, inputs):
+    if isinstance(inputs, dict):
+        return model_output(model(**inputs))
+    return model_output(model(*inputs) if isinstance(inputs, tuple) else model(inputs))
+
+
+def assert_none_scaling_equals_eager(model, inputs, convert=geoscale_fx.wrap, *, run=_call,
+                                     rtol=1e-5, atol=1e-5, grad=False, **options):
+    """``scaling="none"`` changes nothing: the model converted by ``convert(model,
+    scaling="none", **options)`` (``wrap``; ``apply_``, which converts in place; a
+    ``torch.compile`` with the backend) answers what the eager model answers, within
+    ``rtol``/``atol`` (0 and 0: equal). ``run(model, inputs)`` is one call (``inputs``: a
+    tensor, a tuple of positional or a dict of keyword arguments; the logits of a Hugging
+    Face output) or a whole generation. The eager answer comes first, then the conversion on
+    a fresh Dynamo cache; everything runs without grad unless ``grad`` (then the graph
+    compiled is the training one). Returns the converted model and its answer, for what a
+    test checks besides."""
+    with torch.set_grad_enabled(grad):
+        expected = run(model, inputs)
+        torch._dynamo.reset()
+        converted = convert(model, scaling="none", **options)
+        actual = run(converted, inputs)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    return converted, actual
+
+
+def analysed_site(model, *args, **kwargs):
+    """The one site ``analyze_graph`` finds in the one graph Dynamo captures of
+    ``model(*args, **kwargs)``."""
+    (graph,) = capture_graphs(model, *args, **kwargs)
+    (site,) = analyze_graph(graph.gm, graph.example_inputs)
+    return site
+
+
+@dataclass
+class Captured:
+    """One captured graph whose outputs are attention operands, and the provenance passes
+    (``passes.provenance``) run on them as the analysis runs them, for a query."""
+    gm: GraphModule
+    inputs: list
+    kinds: ValueKinds
+
+    @classmethod
+    def of(cls, module, *args) -> "Captured":
+        (graph,) = capture_graphs(module, *args)
+        return cls(graph.gm, graph.example_inputs,
+                   ValueKinds(graph.gm.graph, graph.example_inputs))
+
+    @property
+    def operands(self) -> list[Node]:
+        output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        return list(output.args[0])
+
+    def node(self, target) -> Node:
+        """The single call node whose target is ``target`` (a function or a method name)."""
+        found = [n for n in self.gm.graph.nodes if n.target is target or n.target == target]
+        assert len(found) == 1, found
+        return found[0]
+
+    def records(self) -> ReplayRecords:
+        return ReplayRecords(ParamEvaluator(self.gm, self.inputs, self.kinds))
+
+    def value(self, node: Node) -> torch.Tensor:
+        return ParamEvaluator(self.gm, self.inputs, self.kinds).evaluate(node)
+
+    def trace(self, operand: Node, records: ReplayRecords | None = None):
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return trace_operand(operand, self.kinds, records or self.records(), "query", order)
+
+    def track(self, operand: Node):
+        return self.trace(operand).track
+
+    def normalized(self, operand: Node | None = None) -> NormalizedInput:
+        (projection,), _, _, _ = find_projection(operand or self.operands[0], self.kinds,
+                                                 "query")
+        return trace_normalized_input(projection.x, self.kinds, projection.root)
 
 
 class Recorder(Interpreter):
@@ -152,29 +249,42 @@ def scale_up_gains_and_biases(model, factor=4.0):
                 p.mul_(factor).add_(0.5 * torch.randn_like(p))
 
 
+def ascend_inputs_embeds(graph, objective, steps: int) -> None:
+    """Gradient ascent (Adam, lr 0.1) on the ``inputs_embeds`` input of a captured graph,
+    from a random start shaped like its example: each step re-runs the graph on the current
+    embeddings, recording every node (``record``), and maximizes ``objective(values)`` (a
+    scalar tensor; the objective also keeps whatever it measures)."""
+    pos = [i for i, n in enumerate(graph.gm.graph.nodes) if n.op == "placeholder"
+           and "inputs_embeds" in n.name][0]
+    embeds = torch.randn(graph.example_inputs[pos].shape, requires_grad=True)
+    opt = torch.optim.Adam([embeds], lr=0.1)
+    for _ in range(steps):
+        inputs = list(graph.example_inputs)
+        inputs[pos] = embeds
+        loss = -objective(record(graph.gm, inputs))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def adversarial(model, steps=25, batch=2, seq=12, d=64):
     """Gradient ascent on inputs_embeds to maximize every site's max|S| / bound."""
     graphs = capture_graphs(model, inputs_embeds=torch.randn(batch, seq, d))
     graph = graphs[0]
     sites = analyze_graph(graph.gm, graph.example_inputs)
     bounds = [site_logit_bound(s) for s in sites]
-    pos = [i for i, n in enumerate(graph.gm.graph.nodes) if n.op == "placeholder"
-           and "inputs_embeds" in n.name]
-    embeds = torch.randn(batch, seq, d, requires_grad=True)
-    opt = torch.optim.Adam([embeds], lr=0.1)
     best = torch.zeros(len(sites), dtype=torch.float64)
     best_logit = torch.zeros(len(sites), dtype=torch.float64)
-    for _ in range(steps):
-        inputs = list(graph.example_inputs)
-        inputs[pos[0]] = embeds
-        values = record(graph.gm, inputs)
+
+    def objective(values):
+        nonlocal best, best_logit
         observed = [observed_logits(graph.gm, values, s, batch) for s in sites]
         ratios = torch.stack([(o / b).max() for o, b in zip(observed, bounds)])
         best = torch.maximum(best, ratios.detach())
         best_logit = torch.maximum(best_logit, torch.stack([o.max() for o in observed]).detach())
-        opt.zero_grad()
-        (-ratios.sum()).backward()
-        opt.step()
+        return ratios.sum()
+
+    ascend_inputs_embeds(graph, objective, steps)
     return sites, best, best_logit
 
 

@@ -11,6 +11,7 @@ import torch
 import geoscale_fx
 from geoscale_fx.head_weights import site_head_weights
 from geoscale_fx.logit_bounds import site_logit_bound
+from tests.analysis_checks import assert_none_scaling_equals_eager, model_output
 from tests.attention_variants import D, VARIANTS
 from tests.hf_models import HF_MODELS, build_hf
 
@@ -24,8 +25,12 @@ def _compile(model, **options):
     return torch.compile(model, backend=be), be
 
 
-def _logits(out):
-    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+class _Compiler:
+    """``convert`` of ``assert_none_scaling_equals_eager``: ``_compile``, keeping the backend."""
+
+    def __call__(self, model, **options):
+        compiled, self.backend = _compile(model, **options)
+        return compiled
 
 
 # --------------------------------------------------------------------------------------
@@ -34,29 +39,21 @@ def _logits(out):
 
 @pytest.mark.parametrize("key", sorted(HF_MODELS))
 def test_scaling_none_equals_eager(key):
-    model = build_hf(key)
-    ids = torch.randint(0, 128, (B, L))
-    with torch.no_grad():
-        ref = model(input_ids=ids).logits
-        compiled, be = _compile(model, scaling="none")
-        out = compiled(input_ids=ids).logits
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert len(be.records) == 2
+    compiler = _Compiler()
+    assert_none_scaling_equals_eager(build_hf(key), {"input_ids": torch.randint(0, 128, (B, L))},
+                                     compiler)
+    assert len(compiler.backend.records) == 2
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "nanogpt-explicit"])
 @pytest.mark.parametrize("lowering", ["auto", "explicit"])
 def test_scaling_none_equals_eager_on_nanogpt(name, lowering):
-    zoo = models_zoo.get(name)
-    inputs = zoo.example_inputs(batch=B, seq_len=L)
-    with torch.no_grad():
-        ref = _logits(zoo.model(**inputs))
-        compiled, be = _compile(zoo.model, scaling="none", lowering=lowering)
-        out = _logits(compiled(**inputs))
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    zoo, compiler = models_zoo.get(name), _Compiler()
+    assert_none_scaling_equals_eager(zoo.model, zoo.example_inputs(batch=B, seq_len=L), compiler,
+                                     lowering=lowering)
     expected = "inplace" if name == "nanogpt-explicit" else (
         "fused" if lowering == "auto" else "explicit")
-    assert {r.plan.lowering for r in be.records.values()} == {expected}
+    assert {r.plan.lowering for r in compiler.backend.records.values()} == {expected}
 
 
 def _independent_scales(model, eta=0.8):
@@ -402,10 +399,10 @@ def test_inductor_end_to_end_fused_inference():
     seq = 48                                                # ≠ d_h, so (B, H, L, L) is unique
     inputs = zoo.example_inputs(batch=B, seq_len=seq)
     with torch.no_grad():
-        ref = _logits(zoo.model(**inputs))
+        ref = model_output(zoo.model(**inputs))
         wrapped = geoscale_fx.wrap(zoo.model)               # Inductor, fused flex_attention
-        out, code = run_and_get_code(lambda: _logits(wrapped(**inputs)))
-        out2 = _logits(wrapped(**inputs))
+        out, code = run_and_get_code(lambda: model_output(wrapped(**inputs)))
+        out2 = model_output(wrapped(**inputs))
     source = "\n".join(code)
     assert "flex_attention" in source
     scores_shape = f"({B}, {zoo.n_q_heads}, {seq}, {seq})"
@@ -421,8 +418,8 @@ def test_inductor_end_to_end_fused_inference():
     # a second length: Dynamo recompiles with symbolic shapes; state is kept, output correct
     other = zoo.example_inputs(batch=B, seq_len=40)
     with torch.no_grad():
-        ref2 = _logits(zoo.model(**other))
-        out3 = _logits(wrapped(**other))
+        ref2 = model_output(zoo.model(**other))
+        out3 = model_output(wrapped(**other))
     assert wrapped.geoscale.compiles == 2
     assert (out3 - ref2).abs().max() < 0.05 * ref2.abs().max()
     assert all(r.state.steps.item() == 3 for r in records)

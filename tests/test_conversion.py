@@ -10,6 +10,7 @@ import torch
 
 from geoscale_fx.conversion import apply_, plain_state_dict, restore_
 from geoscale_fx.wrapper import wrap
+from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.attention_variants import Block
 
 
@@ -19,12 +20,9 @@ def _block():
 
 def test_apply_converts_in_place_and_none_scaling_equals_eager():
     model = _block()
-    x = torch.randn(2, 5, 64)
-    expected = model(x)
-    assert apply_(model, compiler="aot_eager", scaling="none") is model
-    assert type(model) is Block
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+    converted, _ = assert_none_scaling_equals_eager(model, torch.randn(2, 5, 64), apply_,
+                                                    compiler="aot_eager", atol=1e-6)
+    assert converted is model and type(model) is Block
     assert len(model._compiled_call_impl.backend.records) == 1
 
 

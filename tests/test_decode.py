@@ -30,6 +30,7 @@ from geoscale_fx.bounds import fp8_max
 from geoscale_fx.logit_bounds import site_logit_bound
 from geoscale_fx.runtime import GraphRuntime
 from models_zoo.nanogpt import GPT, GPTConfig
+from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.hf_models import build_hf
 
 COMPILER = "eager"
@@ -114,15 +115,13 @@ def test_scaling_none_gives_eager_tokens(key, cache):
     through ``apply_`` + ``model.generate``, the others through ``wrap(model).generate``."""
     model = _model(key)
     ids, mask = _prompt(key)
-    expected = _generate(model, key, cache, ids, mask)
-    if cache == "static":
-        geoscale_fx.apply_(model, scaling="none", compiler=COMPILER)
-        out, report = _generate(model, key, cache, ids, mask), geoscale_fx.report(model)
-    else:
-        wrapped = geoscale_fx.wrap(model, scaling="none", compiler=COMPILER)
-        out, report = _generate(wrapped, key, cache, ids, mask), wrapped.report()
+    static = cache == "static"
+    converted, out = assert_none_scaling_equals_eager(
+        model, (ids, mask), geoscale_fx.apply_ if static else geoscale_fx.wrap,
+        run=lambda m, inputs: _generate(m, key, cache, *inputs), rtol=0, atol=0,
+        compiler=COMPILER)
     assert out.shape == (2, 6 + NEW_TOKENS)
-    assert torch.equal(out, expected)
+    report = geoscale_fx.report(model) if static else converted.report()
     assert not report.skipped and report.eager_calls == 0
     assert [r["steps"] for r in report.rows] == [NEW_TOKENS] * 2
 

@@ -1,76 +1,15 @@
-"""``geoscale_fx.hf_configs``: the generic shrinker of Hugging Face configs, checked on the
-invariants it promises (GQA ratio, d = n_q·d_h, per-layer kinds, sums of head widths, token ids
-inside the vocabulary) rather than on a list of expected numbers per family."""
+"""``geoscale_fx.hf_configs``: a family's default config shrunk, its random-weight model built
+(or refused by name), the ``Auto`` class of a config and the token inputs of one call. The
+shrinking itself: tests/test_hf_config_shrinker.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from geoscale_fx import hf_configs
+from geoscale_fx import hf_config_shrinker, hf_configs
 
 pytestmark = pytest.mark.zoo
 transformers = pytest.importorskip("transformers")
-
-
-def test_gqa_ratio_width_and_head_dim_are_kept_consistent():
-    """Llama-2-70B's shape (64 q heads over 8 kv heads, d = 8192): 8 q heads over 1, d_h = 16,
-    d = 128; everything else small."""
-    big = transformers.LlamaConfig(hidden_size=8192, num_attention_heads=64,
-                                   num_key_value_heads=8, num_hidden_layers=80,
-                                   intermediate_size=28672, vocab_size=32000,
-                                   max_position_embeddings=4096)
-    small = hf_configs.shrink_config(big)
-    assert (small.num_attention_heads, small.num_key_value_heads) == (8, 1)
-    assert small.head_dim == hf_configs.HEAD_DIM
-    assert small.hidden_size == small.num_attention_heads * small.head_dim
-    assert small.num_hidden_layers == hf_configs.LAYERS
-    assert small.intermediate_size <= hf_configs.WIDTH
-    assert small.vocab_size <= hf_configs.WIDTH
-    assert big.num_hidden_layers == 80            # the input is not modified
-
-
-def test_aliases_are_read_from_the_attribute_map():
-    """GPT-2 stores n_embd / n_head / n_layer / n_positions; its eos id 50256 moves inside
-    the new vocabulary."""
-    small = hf_configs.tiny_config("gpt2")
-    assert (small.n_embd, small.n_head, small.n_layer) == (64, 4, 2)
-    assert small.n_positions <= hf_configs.WIDTH
-    assert small.eos_token_id < small.vocab_size and small.bos_token_id == small.eos_token_id
-
-
-def test_every_kind_of_layer_is_kept():
-    """Per-layer kinds survive: Gemma-2 alternates sliding and full attention, Qwen3-Next
-    has linear attention in three layers of four; a cycled pattern shorter than the model
-    (RecurrentGemma's block_types) keeps enough layers to hold each kind."""
-    gemma2 = hf_configs.tiny_config("gemma2")
-    assert sorted(set(gemma2.layer_types)) == ["full_attention", "sliding_attention"]
-    assert len(gemma2.layer_types) == gemma2.num_hidden_layers == 2
-    nxt = hf_configs.tiny_config("qwen3_next")
-    assert set(nxt.layer_types) == {"full_attention", "linear_attention"}
-    recurrent = hf_configs.tiny_config("recurrent_gemma")
-    assert recurrent.num_hidden_layers == 3 and "attention" in recurrent.block_types
-
-
-def test_lists_of_layer_indices_are_renumbered_not_cut():
-    """Llama-4 names its MoE layers by index (all 48) next to per-layer lists: two layers
-    hold its two kinds (chunked with RoPE, full without), and both stay MoE layers."""
-    big = transformers.AutoConfig.for_model("llama4_text")
-    assert big.moe_layers == list(range(big.num_hidden_layers))
-    small = hf_configs.shrink_config(big)
-    assert small.num_hidden_layers == 2 and small.moe_layers == [0, 1]
-    assert set(small.layer_types) == set(big.layer_types)
-    assert sorted(small.no_rope_layers) == [0, 1]
-
-
-def test_head_widths_are_scaled_by_one_factor():
-    """DeepSeek-V3's MLA: q·k runs over nope + rope dims, so qk_head_dim = qk_nope_head_dim +
-    qk_rope_head_dim must hold after the shrinking too."""
-    big = transformers.AutoConfig.for_model("deepseek_v3")
-    assert big.qk_head_dim == big.qk_nope_head_dim + big.qk_rope_head_dim
-    small = hf_configs.shrink_config(big)
-    assert small.qk_head_dim == small.qk_nope_head_dim + small.qk_rope_head_dim
-    assert small.qk_head_dim < big.qk_head_dim
-    assert small.num_experts_per_tok <= small.n_routed_experts <= hf_configs.COUNT
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2", "gemma2"])
@@ -85,6 +24,18 @@ def test_tiny_models_build_and_run(model_type):
     assert all(p.is_meta for p in meta.parameters())
 
 
+def test_tiny_config_is_the_shrunk_default_with_the_overrides_set_after():
+    """Overrides win over the shrunk values; everything else is what shrinking the family's
+    default config gives."""
+    small = hf_configs.tiny_config("llama", num_hidden_layers=3, vocab_size=1000)
+    expected = hf_config_shrinker.shrink_config(transformers.AutoConfig.for_model("llama"))
+    assert (small.num_hidden_layers, small.vocab_size) == (3, 1000)
+    assert (expected.num_hidden_layers, expected.vocab_size) == (2, 128)
+    for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "intermediate_size", "max_position_embeddings"):
+        assert getattr(small, field) == getattr(expected, field), field
+
+
 def test_an_unknown_or_unbuildable_family_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"model type 'no-such-family': not a transformers "
                                          r"model type"):
@@ -93,6 +44,11 @@ def test_an_unknown_or_unbuildable_family_is_named(monkeypatch):
     def refuse(config, **kwargs):
         raise RuntimeError("the constructor says no")
 
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_configs, "shrink_config", refuse)
+        with pytest.raises(ValueError, match=r"model type 'llama': its shrunk config is "
+                                             r"refused \(RuntimeError: the constructor says no\)"):
+            hf_configs.tiny_config("llama")
     monkeypatch.setattr(hf_configs, "model_from_config", refuse)
     with pytest.raises(ValueError, match=r"model type 'llama': its shrunk config does not "
                                          r"build \(RuntimeError: the constructor says no\); "
@@ -108,3 +64,47 @@ def test_auto_model_class_follows_the_saved_architecture():
     assert hf_configs.auto_model_class(transformers.LlamaConfig()) \
         is transformers.AutoModelForCausalLM
     assert hf_configs.auto_model_class(transformers.T5Config()) is transformers.AutoModel
+
+
+def test_causal_lm_types_name_the_causal_lm_classes():
+    types = hf_configs.causal_lm_types()
+    assert types["llama"] == "LlamaForCausalLM" and types["gpt2"] == "GPT2LMHeadModel"
+    assert "t5" not in types and len(types) > 50
+
+
+def test_model_from_config_is_seeded_and_leaves_the_global_rng_alone():
+    config = hf_configs.tiny_config("llama")
+    state = torch.random.get_rng_state()
+    first, again = (hf_configs.model_from_config(config, seed=3) for _ in range(2))
+    other = hf_configs.model_from_config(config, seed=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(first.state_dict()[weight], again.state_dict()[weight])
+    assert not torch.equal(first.state_dict()[weight], other.state_dict()[weight])
+    assert not first.training
+
+
+def test_token_inputs_stay_below_the_vocabulary_and_turn_the_cache_off():
+    """Ids below the input embedding's rows (not config.vocab_size), the same
+    ids on every call, and ``use_cache=False``: a forward that takes no cache gets no flag."""
+    model = hf_configs.tiny_model("llama")
+    model.resize_token_embeddings(50)
+    model.config.vocab_size = 10_000                    # the embedding's rows decide
+    inputs = hf_configs.token_inputs(model, batch=3, seq_len=7)
+    assert set(inputs) == {"input_ids", "use_cache"} and inputs["use_cache"] is False
+    ids = inputs["input_ids"]
+    assert ids.shape == (3, 7) and ids.dtype == torch.int64
+    assert int(ids.min()) >= 0 and int(ids.max()) < 50
+    assert torch.equal(hf_configs.token_inputs(model, batch=3, seq_len=7)["input_ids"], ids)
+
+    class NoCache(torch.nn.Module):
+        config = model.config
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids):
+            return input_ids
+
+    assert set(hf_configs.token_inputs(NoCache())) == {"input_ids"}

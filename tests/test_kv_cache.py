@@ -13,20 +13,14 @@ import torch
 
 import geoscale_fx
 from geoscale_fx.bounds import fp8_max
-from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
-from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.weight_kv_scales import WeightKVScales
 from tests.analysis_checks import scale_up_gains_and_biases
-from tests.hf_models import build_hf
+from tests.hf_models import (NEW_TOKENS, build_hf, cache_bytes, kv_cache_runs, plain_cache,
+                             prompt)
 
 pytestmark = pytest.mark.zoo
 
 FAMILIES = ["llama-sdpa", "gpt2-sdpa", "qwen2-sdpa"]
-NEW_TOKENS = 6
-
-
-def _prompt(batch: int = 2, length: int = 8, seed: int = 5) -> torch.Tensor:
-    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _inflated(key: str):
@@ -47,26 +41,17 @@ def _generate(model, ids, **kw):
                           do_sample=False, pad_token_id=0, **kw)
 
 
-def _plain_cache(model, ids):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        _generate(model, ids, past_key_values=cache)
-    return cache
-
-
 @pytest.mark.parametrize("key", FAMILIES)
 def test_predicted_bounds_hold_every_cached_key_and_value(key):
     """Every entry of every layer's cached keys/values (an unquantized cache, many prompts)
     is within the layer's predicted per-head bound."""
     model = _inflated(key)
-    scales = WeightKVScales(model).capture(_prompt(1, 4))
+    scales = WeightKVScales(model).capture(prompt(1, 4))
     layers = scales.layers()
     assert [s.layer for s in layers] == list(range(model.config.num_hidden_layers))
     worst = 0.0
     for seed in range(3):
-        cache = _plain_cache(model, _prompt(2, 10, seed))
+        cache = plain_cache(model, prompt(2, 10, seed))
         for layer, cached in zip(layers, cache.layers):
             for bound, states in ((layer.k_bound, cached.keys), (layer.v_bound, cached.values)):
                 amax = states.abs().amax(dim=(0, 2, 3)).double()         # per kv head
@@ -89,8 +74,8 @@ def test_fp8_cache_holds_the_rounded_keys_and_values_of_the_first_layer():
     """Layer 0's cached bits, read as E4M3 and times k_scale, are the float64 reference
     rounding of the unquantized keys (layer 0 sees the same embeddings in both runs)."""
     model = build_hf("llama-sdpa")
-    ids = _prompt()
-    reference = _plain_cache(model, ids).layers[0]
+    ids = prompt()
+    reference = plain_cache(model, ids).layers[0]
     wrapped = geoscale_fx.wrap(model, kv_cache="fp8", scaling="none", compiler="aot_eager")
     manager = model._geoscale_kv_cache
     cache = manager.new_cache(ids)
@@ -107,26 +92,6 @@ def test_fp8_cache_holds_the_rounded_keys_and_values_of_the_first_layer():
         assert torch.equal(stored[:, :, :length], expected)
 
 
-def _oracle_cache(model, ids, static: bool):
-    """An FP8 cache with the ideal per-head scales: each head's actual max |entry| over the
-    whole unquantized generation (an oracle no engine has), divided by R_max."""
-    plain = _plain_cache(model, ids)
-    layers = [LayerScales(i, "", torch.ones(1), c.keys.abs().amax(dim=(0, 2, 3)).double(),
-                          c.values.abs().amax(dim=(0, 2, 3)).double())
-              for i, c in enumerate(plain.layers)]
-    counters = [torch.zeros(2, dtype=torch.int64) for _ in layers]
-    return fp8_cache(model.config, layers, "e4m3", counters, static=static,
-                     max_cache_len=ids.shape[1] + NEW_TOKENS)
-
-
-def _logits(model, ids, **kw):
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True, **kw)
-    return out.sequences, torch.stack(out.logits)
-
-
 @pytest.mark.parametrize("key, cache", [("llama-sdpa", "dynamic"), ("llama-sdpa", "static"),
                                         ("gpt2-sdpa", "dynamic"), ("qwen2-sdpa", "static")])
 def test_fp8_cache_generation_matches_ideal_per_head_scaling(key, cache):
@@ -134,20 +99,16 @@ def test_fp8_cache_generation_matches_ideal_per_head_scaling(key, cache):
     ideal per-head scales (FP8's relative precision does not depend on the scale while values
     stay normal), and 0 saturations."""
     model = _inflated(key)
-    ids = _prompt()
-    static = cache == "static"
-    kw = {"cache_implementation": "static"} if static else {}
-    ref_tokens, ref = _logits(model, ids, **kw)
-    _, ideal = _logits(model, ids, past_key_values=_oracle_cache(model, ids, static))
-    wrapped = geoscale_fx.wrap(model, kv_cache="fp8", scaling="none", compiler="aot_eager")
-    tokens, geometry = _logits(wrapped, ids, **kw)
+    runs = kv_cache_runs(model, prompt(), "fp8", static=cache == "static")
+    ref, wrapped = runs.reference, runs.wrapped
 
     def error(logits):      # the first generated token: both runs see the same prefix
         return float((logits[0] - ref[0]).abs().max() / ref[0].abs().max())
 
-    print(f"\n{key} {cache}: first-token logit error geometry {error(geometry):.4f}, "
-          f"ideal {error(ideal):.4f}; tokens equal {float((tokens == ref_tokens).float().mean())}")
-    assert 0 < error(geometry) <= 1.5 * error(ideal) + 0.01
+    equal = float((runs.tokens == runs.reference_tokens).float().mean())
+    print(f"\n{key} {cache}: first-token logit error geometry {error(runs.certified):.4f}, "
+          f"ideal {error(runs.observed):.4f}; tokens equal {equal}")
+    assert 0 < error(runs.certified) <= 1.5 * error(runs.observed) + 0.01
     rows = wrapped.report().rows
     assert rows and all(r["kv_saturated"] == 0 and r["k_scale"] > 0 for r in rows)
     assert model._geoscale_kv_cache.saturated_total() == 0
@@ -157,21 +118,15 @@ def test_fp8_cache_generation_matches_ideal_per_head_scaling(key, cache):
 
 
 def test_fp8_cache_takes_half_the_bytes_of_a_bf16_cache():
-    model = build_hf("llama-sdpa").to(torch.bfloat16)
-    ids = _prompt()
-    plain = _plain_cache(model, ids)
-    wrapped = geoscale_fx.wrap(model, kv_cache="fp8", scaling="none", compiler="aot_eager")
-    cache = model._geoscale_kv_cache.new_cache(ids)
-    with torch.no_grad():
-        _generate(wrapped, ids, past_key_values=cache)
-    assert cache_nbytes(cache) * 2 == cache_nbytes(plain)
+    fp8, bf16, _ = cache_bytes(build_hf("llama-sdpa").to(torch.bfloat16), "fp8")
+    assert fp8 * 2 == bf16
 
 
 def test_scales_follow_the_weights_and_a_cache_keeps_its_own():
     model = build_hf("llama-sdpa")
     wrapped = geoscale_fx.wrap(model, kv_cache="fp8_e5m2", scaling="none",
                                compiler="aot_eager")
-    ids = _prompt()
+    ids = prompt()
     with torch.no_grad():
         _generate(wrapped, ids)
     manager = model._geoscale_kv_cache
@@ -192,7 +147,7 @@ def test_scales_follow_the_weights_and_a_cache_keeps_its_own():
 
 def test_apply_form_generates_with_the_fp8_cache():
     model = build_hf("qwen2-sdpa")
-    ids = _prompt()
+    ids = prompt()
     with torch.no_grad():
         ref = _generate(model, ids)
     geoscale_fx.apply_(model, kv_cache="fp8", compiler="aot_eager")
@@ -211,7 +166,7 @@ def test_a_cache_the_caller_passes_is_used_as_is_with_a_warning(caplog):
     wrapped = geoscale_fx.wrap(model, kv_cache="fp8", compiler="aot_eager")
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), caplog.at_level("WARNING", logger="geoscale_fx"):
-        _generate(wrapped, _prompt(), past_key_values=cache)
+        _generate(wrapped, prompt(), past_key_values=cache)
     assert "used as is (not FP8)" in caplog.text
     assert cache.layers[0].keys.dtype == torch.float32
 
@@ -232,4 +187,4 @@ def test_non_finite_weights_are_refused_by_site_name():
     with torch.no_grad():
         model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="model.layers.1.self_attn.*not finite"):
-        _generate(wrapped, _prompt())
+        _generate(wrapped, prompt())

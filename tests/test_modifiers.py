@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 import geoscale_fx
 from geoscale_fx.head_weights import site_term_weights
 from geoscale_fx.logit_bounds import site_logit_bound
+from tests.analysis_checks import assert_none_scaling_equals_eager
 
 
 class Softcapped(torch.nn.Module):
@@ -53,11 +54,8 @@ def test_softcap_is_a_modifier_and_caps_the_bound():
 
 
 def test_softcap_site_with_scaling_none_equals_eager():
-    model = _inflated(cap=30.0)
-    x = torch.randn(2, 8, 32)
-    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
-    with torch.no_grad():
-        torch.testing.assert_close(wrapped(x), model(x), rtol=1e-5, atol=1e-5)
+    assert_none_scaling_equals_eager(_inflated(cap=30.0), torch.randn(2, 8, 32),
+                                     compiler="aot_eager")
 
 
 @pytest.mark.parametrize("cap", [5.0, 1e4])
@@ -113,10 +111,7 @@ def test_gemma2_softcapping_is_found_and_rewritten():
         [(True, 4, 2, 16)] * 2
     assert all(s.modifier("softcap").value == 50.0 for s in sites)
     counters.clear()
-    none = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
-    with torch.no_grad():
-        torch.testing.assert_close(none(input_ids=ids).logits, model(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+    assert_none_scaling_equals_eager(model, {"input_ids": ids}, compiler="aot_eager")
     assert counters["geoscale"]["modifier_softcap"] == 2
 
 
@@ -160,11 +155,10 @@ def test_sinks_are_found_and_the_bound_covers_them():
 def test_sink_site_scaling_none_equals_eager_and_geometry_never_overflows():
     model = Sinks()
     x = torch.randn(2, 6, 32)
+    assert_none_scaling_equals_eager(model, x, compiler="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
     with torch.no_grad():
-        none = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
-        torch.testing.assert_close(none(x), model(x), rtol=1e-5, atol=1e-5)
-        torch._dynamo.reset()
-        counters.clear()
         fp8 = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
         fp8(x)
     record, = fp8.geoscale.records.values()
@@ -204,11 +198,10 @@ def test_alibi_baddbmm_is_a_position_bias_and_is_rewritten():
     site, = geoscale_fx.find_attention(model, x)
     assert site.supported and site.score_op == "baddbmm"
     assert site.modifiers[0].kind == "position_bias" and site.modifiers[0].value == 0.5
+    assert_none_scaling_equals_eager(model, x, compiler="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
     with torch.no_grad():
-        none = geoscale_fx.wrap(model, compiler="aot_eager", scaling="none")
-        torch.testing.assert_close(none(x), model(x), rtol=1e-5, atol=1e-5)
-        torch._dynamo.reset()
-        counters.clear()
         fp8 = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
         out = fp8(x)
     record, = fp8.geoscale.records.values()

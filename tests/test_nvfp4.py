@@ -13,8 +13,8 @@ import torch
 
 import geoscale_fx
 from geoscale_fx import nvfp4
-from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
-from geoscale_fx.layer_scales import LayerScales
+from tests.hf_models import (build_hf, cache_bytes, generate_with_logits, kv_cache_runs,
+                             plain_cache, prompt)
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
@@ -179,47 +179,11 @@ def test_global_scale_is_the_smallest_safe_float32_and_never_zero():
 
 # --- the NVFP4 KV cache in generate -----------------------------------------------------
 
-NEW_TOKENS = 6
-
-
-def _prompt(batch: int = 2, length: int = 8, seed: int = 5) -> torch.Tensor:
-    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _generate(model, ids, **kw):
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0, output_logits=True,
-                             return_dict_in_generate=True, **kw)
-    return out.sequences, torch.stack(out.logits)                 # (T_new, B, vocab)
-
-
-def _plain_cache(model, ids):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    _generate(model, ids, past_key_values=cache)
-    return cache
-
-
-def _observed_amax_cache(model, ids, static: bool):
-    """An NVFP4 cache with global scales from each head's actual max |entry| over the whole
-    unquantized generation (what an engine calibrates, on the very data)."""
-    layers = [LayerScales(i, "", torch.ones(1), c.keys.abs().amax(dim=(0, 2, 3)).double(),
-                          c.values.abs().amax(dim=(0, 2, 3)).double())
-              for i, c in enumerate(_plain_cache(model, ids).layers)]
-    return fp8_cache(model.config, layers, "nvfp4", [torch.zeros(2, dtype=torch.int64)
-                                                     for _ in layers],
-                     static=static, max_cache_len=ids.shape[1] + NEW_TOKENS)
-
-
 @pytest.mark.zoo
 def test_nvfp4_cache_holds_the_reference_quantization_of_the_first_layer():
-    from tests.hf_models import build_hf
-
     model = build_hf("llama-sdpa")
-    ids = _prompt()
-    reference = _plain_cache(model, ids).layers[0]
+    ids = prompt()
+    reference = plain_cache(model, ids).layers[0]
     wrapped = geoscale_fx.wrap(model, kv_cache="nvfp4", scaling="none", compiler="aot_eager")
     cache = model._geoscale_kv_cache.new_cache(ids)
     with torch.no_grad():
@@ -248,16 +212,9 @@ def test_nvfp4_generation_stays_close_to_the_unquantized_model(key, cache):
     the bounds are ≤ 0.15 absolute, and ≤ 1.5× the observed-amax error + 0.01 (NVFP4's
     precision does not depend on s_g while block scales stay normal; what is left is which
     way the E4M3 block scales round, 0.92–1.08× here)."""
-    from tests.hf_models import build_hf
-
     model = build_hf(key)
-    ids = _prompt()
-    static = cache == "static"
-    kw = {"cache_implementation": "static"} if static else {}
-    _, ref = _generate(model, ids, **kw)
-    _, observed = _generate(model, ids, past_key_values=_observed_amax_cache(model, ids, static))
-    wrapped = geoscale_fx.wrap(model, kv_cache="nvfp4", scaling="none", compiler="aot_eager")
-    _, ours = _generate(wrapped, ids, **kw)
+    runs = kv_cache_runs(model, prompt(), "nvfp4", static=cache == "static")
+    ref, observed, ours, wrapped = runs.reference, runs.observed, runs.certified, runs.wrapped
 
     def error(logits):
         return float(((logits[0] - ref[0]).norm(dim=-1) / ref[0].norm(dim=-1)).max())
@@ -273,24 +230,15 @@ def test_nvfp4_generation_stays_close_to_the_unquantized_model(key, cache):
 
 @pytest.mark.zoo
 def test_nvfp4_cache_takes_9_32_of_the_bytes_of_a_bf16_cache():
-    from tests.hf_models import build_hf
-
-    model = build_hf("llama-sdpa").to(torch.bfloat16)
-    ids = _prompt()
-    plain = _plain_cache(model, ids)
-    wrapped = geoscale_fx.wrap(model, kv_cache="nvfp4", scaling="none", compiler="aot_eager")
-    cache = model._geoscale_kv_cache.new_cache(ids)
-    sequences, logits = _generate(wrapped, ids, past_key_values=cache)
+    nvfp4_bytes, bf16, logits = cache_bytes(build_hf("llama-sdpa").to(torch.bfloat16), "nvfp4")
     assert bool(logits.isfinite().all()) and logits.dtype == torch.float32
-    assert cache_nbytes(cache) * 32 == cache_nbytes(plain) * 9     # 4.5 bits vs 16 bits
+    assert nvfp4_bytes * 32 == bf16 * 9                            # 4.5 bits vs 16 bits
 
 
 @pytest.mark.zoo
 def test_nvfp4_is_named_among_the_allowed_values_and_needs_head_dims_of_16():
-    from tests.hf_models import build_hf
-
     with pytest.raises(ValueError, match="kv_cache='int4'.*'nvfp4'"):
         geoscale_fx.wrap(build_hf("llama-sdpa"), kv_cache="int4")
     wrapped = geoscale_fx.wrap(build_hf("mistral-sdpa"), kv_cache="nvfp4", compiler="aot_eager")
     with pytest.raises(ValueError, match="head dims 8/8 are not multiples of 16"):
-        _generate(wrapped, _prompt())
+        generate_with_logits(wrapped, prompt())

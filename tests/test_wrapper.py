@@ -11,6 +11,7 @@ import torch
 import geoscale_fx
 from geoscale_fx.state import GeoscaleState
 from geoscale_fx.wrapper import GeoscaleModule, wrap
+from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.attention_variants import Block
 
 
@@ -39,11 +40,8 @@ def test_state_dict_keys_are_the_models_plus_its_state_and_plain_weights_mark_it
 
 def test_scaling_none_equals_eager_and_the_forward_signature_is_the_models():
     model = _block()
-    x = torch.randn(3, 6, 64)
-    expected = model(x)
-    wrapped = wrap(model, compiler="aot_eager", scaling="none")
-    with torch.no_grad():
-        torch.testing.assert_close(wrapped(x), expected, rtol=1e-5, atol=1e-6)
+    wrapped, _ = assert_none_scaling_equals_eager(model, torch.randn(3, 6, 64), wrap,
+                                                  compiler="aot_eager", atol=1e-6)
     assert inspect.signature(wrapped.forward) == inspect.signature(model.forward)
     assert wrapped.norm is model.norm                               # attributes pass through
     assert wrapped.model is model and isinstance(wrapped, GeoscaleModule)

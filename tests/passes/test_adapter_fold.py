@@ -3,8 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from tests.analysis_checks import analysed_site
 
 B, L, D, H, R = 2, 5, 16, 2, 3
 DH = D // H
@@ -29,9 +28,7 @@ class Adapted(nn.Module):
 
 
 def _site(model):
-    (graph,) = capture_graphs(model, torch.randn(B, L, D))
-    (site,) = analyze_graph(graph.gm, graph.example_inputs)
-    return site
+    return analysed_site(model, torch.randn(B, L, D))
 
 
 def test_an_adapter_on_the_same_source_folds_into_the_weight_with_its_scale():

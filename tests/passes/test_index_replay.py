@@ -8,21 +8,17 @@ at the operand are compared with the same torch ops applied to plain index tenso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx import GraphModule, Node
 
 import geoscale_fx
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.evaluate import ParamEvaluator
-from geoscale_fx.passes.graph_ops import ValueKinds, op_of
+from geoscale_fx.passes.graph_ops import op_of
 from geoscale_fx.passes.index_replay import Track, Unsupported, replay
-from geoscale_fx.passes.provenance import trace_operand
 from geoscale_fx.passes.replay_records import ReplayRecords
+from tests.analysis_checks import Captured
 
 B, L, D, H, DH = 2, 6, 32, 4, 8
 KV = 2  # key/value heads of the GQA cases
@@ -48,35 +44,8 @@ class Projected(nn.Module):
         return out if isinstance(out, tuple) else (out,)
 
 
-@dataclass
-class Captured:
-    gm: GraphModule
-    inputs: list
-    kinds: ValueKinds
-
-    @property
-    def operands(self) -> list[Node]:
-        output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        return list(output.args[0])
-
-    def node(self, target) -> Node:
-        """The single call node whose target is ``target`` (a function or a method name)."""
-        found = [n for n in self.gm.graph.nodes if n.target is target or n.target == target]
-        assert len(found) == 1, found
-        return found[0]
-
-    def records(self) -> ReplayRecords:
-        return ReplayRecords(ParamEvaluator(self.gm, self.inputs, self.kinds))
-
-    def trace(self, operand: Node, records: ReplayRecords | None = None):
-        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        return trace_operand(operand, self.kinds, records or self.records(), "query", order)
-
-
 def _capture(module: nn.Module) -> Captured:
-    (graph,) = capture_graphs(module, torch.randn(B, L, D))
-    return Captured(graph.gm, graph.example_inputs, ValueKinds(graph.gm.graph,
-                                                               graph.example_inputs))
+    return Captured.of(module, torch.randn(B, L, D))
 
 
 def _root_indices(features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,9 +348,7 @@ class InputRotated(nn.Module):
 
 def test_rotary_with_unpaired_angles_from_inputs_is_unverified_and_pays_sqrt2():
     """Angles whose pairing cannot be shown nor evaluated: factor √2, unverified."""
-    (graph,) = capture_graphs(InputRotated(), torch.randn(B, L, D), torch.arange(L).float())
-    captured = Captured(graph.gm, graph.example_inputs,
-                        ValueKinds(graph.gm.graph, graph.example_inputs))
+    captured = Captured.of(InputRotated(), torch.randn(B, L, D), torch.arange(L).float())
     (operand,) = captured.operands
     records = captured.records()
     track = captured.trace(operand, records).track

@@ -3,8 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from tests.analysis_checks import analysed_site
 
 B, L, D, H, NOPE, ROPE = 2, 5, 16, 2, 6, 2
 
@@ -33,9 +32,7 @@ class Split(nn.Module):
 
 
 def _site(model):
-    (graph,) = capture_graphs(model, torch.randn(B, L, D))
-    (site,) = analyze_graph(graph.gm, graph.example_inputs)
-    return site
+    return analysed_site(model, torch.randn(B, L, D))
 
 
 def test_each_projection_pair_is_a_term_over_its_channels():

@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from tests.analysis_checks import analysed_site
 
 B, L, D, H = 2, 5, 16, 4
 DH = D // H
@@ -23,14 +22,8 @@ class NormedMHA(nn.Module):
         return self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
 
 
-def _site(model, *args):
-    (graph,) = capture_graphs(model, *args)
-    (site,) = analyze_graph(graph.gm, graph.example_inputs)
-    return site
-
-
 def test_mha_sides_are_the_packed_rows_of_each_head():
-    site = _site(NormedMHA(), torch.randn(B, L, D), torch.zeros(L, L))
+    site = analysed_site(NormedMHA(), torch.randn(B, L, D), torch.zeros(L, L))
     assert site.supported, site.reason
     assert (site.kind, site.n_q_heads, site.n_kv_heads, site.head_dim) == ("mha", H, H, DH)
     assert site.softmax_scale == pytest.approx(1 / math.sqrt(DH))
@@ -41,7 +34,7 @@ def test_mha_sides_are_the_packed_rows_of_each_head():
 
 
 def test_a_learned_bias_k_is_refused_with_its_reason():
-    site = _site(NormedMHA(add_bias_kv=True), torch.randn(B, L, D))
+    site = analysed_site(NormedMHA(add_bias_kv=True), torch.randn(B, L, D))
     assert not site.supported
     assert site.reason.endswith("keys include a learned bias_k / static_k that is not a "
                                 "projection of the input")
@@ -50,7 +43,7 @@ def test_a_learned_bias_k_is_refused_with_its_reason():
 def test_the_encoder_layer_fast_path_is_one_term_on_its_own_layernorm():
     layer = nn.TransformerEncoderLayer(D, H, 2 * D, batch_first=True, norm_first=True).eval()
     with torch.no_grad():
-        site = _site(layer, torch.randn(B, L, D))
+        site = analysed_site(layer, torch.randn(B, L, D))
     assert site.supported, site.reason
     assert (site.kind, site.n_q_heads, site.head_dim, site.q_len) == ("encoder_layer", H, DH, L)
     assert site.softmax_scale == pytest.approx(1 / math.sqrt(DH))

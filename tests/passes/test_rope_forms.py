@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import geoscale_fx
 from geoscale_fx.logit_bounds import site_logit_bound
+from tests.analysis_checks import assert_none_scaling_equals_eager
 
 B, L, D, H = 2, 8, 32, 4
 DH = D // H
@@ -152,10 +153,7 @@ def _bound_holds(module, site, trials=20):
 
 def _equals_eager_with_scaling_none(module):
     x = torch.randn(B, L, D)
-    expected = module(x)
-    torch._dynamo.reset()
-    out = geoscale_fx.wrap(module, compiler="aot_eager", scaling="none")(x)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert_none_scaling_equals_eager(module, x, compiler="aot_eager", grad=True)
     torch._dynamo.reset()
     geometry = geoscale_fx.wrap(module, compiler="aot_eager")
     geometry(x)

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from tests.analysis_checks import analysed_site
 
 B, L, D, H, KV = 2, 5, 16, 4, 2
 DH = D // H
@@ -36,9 +35,7 @@ class Attention(nn.Module):
 
 
 def _site(model):
-    (graph,) = capture_graphs(model, torch.randn(B, L, D))
-    (site,) = analyze_graph(graph.gm, graph.example_inputs)
-    return site
+    return analysed_site(model, torch.randn(B, L, D))
 
 
 def test_gqa_sdpa_heads_features_and_value_side():

@@ -1,0 +1,254 @@
+"""Shrinking a Hugging Face config to a model of a few hundred thousand parameters, by what
+its fields' *names* say, never by family, so it covers a model type nobody listed.
+
+:func:`shrink_config` rewrites a config's size fields:
+
+* the layer count (``num_hidden_layers`` and any ``num_*layers`` / ``n_*layers`` /
+  ``encoder_layers`` / ``decoder_layers``) becomes ``LAYERS``, or more so that one layer of
+  each kind survives: a kind is what a layer holds in every per-layer list (``layer_types``,
+  a string named ``*pattern``, a dict of overrides keyed by layer index, whether a
+  ``*layers`` list of indices such as ``moe_layers`` names it), a cycled
+  ``*_types`` / ``*pattern`` shorter than the model, or an ``X_period`` / ``X_offset`` pair
+  (made to select a layer of those kept);
+* query heads n_q and key/value heads n_kv keep the GQA ratio r = n_q / n_kv:
+  n_kv' = max(1, ``HEADS`` // r), n_q' = r·n_kv'; the width is d' = n_q'·``HEAD_DIM``;
+  every per-head width (``*head_dim``, ``*head_size``, ``d_head``, ``d_kv``, ``rotary*_dim``)
+  is scaled by one factor ``HEAD_DIM``/d_h, so head_dim becomes ``HEAD_DIM`` and sums stay
+  sums (MLA's qk_head_dim = qk_nope_head_dim + qk_rope_head_dim);
+* any other width (``*_size``, ``*_dim``, ``*_rank``, ``d_*``) is capped at ``WIDTH`` (one
+  equal to the old width becomes d'), any other count (``num_*``, ``n_*``, experts, heads of
+  other kinds) at ``COUNT``, the vocabulary and the context at ``WIDTH``; one cap per kind
+  keeps ``a ≤ b`` between fields of that kind (top-k ≤ experts);
+* special token ids beyond the new vocabulary move to its top, distinct ids staying
+  distinct; sub-configs (``text_config``, …) and nested dicts (``rope_parameters``) are
+  shrunk the same way.
+
+Aliases (``n_embd`` for ``hidden_size`` …) are read from the config's own ``attribute_map``.
+Fields naming images, patches, kernels, windows, chunks or buckets are left as they are: they
+are not widths. Constraints between fields of different kinds that only a family knows (a
+Mamba mixer's n_heads·d_head = expand·d) are not kept: the family's config class may refuse
+the result (``geoscale_fx.hf_configs.tiny_config`` names such a family).
+
+Example::
+
+    >>> import transformers
+    >>> from geoscale_fx.hf_config_shrinker import shrink_config
+    >>> big = transformers.LlamaConfig(hidden_size=8192, num_attention_heads=64,
+    ...                                num_key_value_heads=8, num_hidden_layers=80)
+    >>> small = shrink_config(big)                     # GQA ratio 8 kept: 8 q heads over 1
+    >>> small.num_attention_heads, small.num_key_value_heads, small.head_dim, small.hidden_size
+    (8, 1, 16, 128)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LAYERS", "HEADS", "HEAD_DIM", "WIDTH", "COUNT", "shrink_config"]
+
+LAYERS = 2        # layers of a shrunk model (more when it has more kinds of layer)
+HEADS = 4         # query heads of a shrunk MHA model; GQA: n_kv' · r
+HEAD_DIM = 16     # d_h' of every head
+WIDTH = 128       # cap of any other width, of the vocabulary and of the context
+COUNT = 4         # cap of any other count (experts, top-k, groups, other heads)
+
+_NOT_WIDTH = re.compile(r"image|patch|kernel|window|chunk|bucket|pixel|sampling")
+_LAYERS = re.compile(r"^(num|n)_(\w+_)?layers$|^(encoder|decoder)_layers$")
+_Q_HEADS = re.compile(r"attention_heads$")
+_KV_HEADS = re.compile(r"(kv|key_value)_heads$")
+_PER_HEAD = re.compile(r"head_(dim|size)$|(^|_)d_(head|kv)$|(rotary|rope)\w*_dim$")
+_VOCAB = re.compile(r"vocab_size$")
+_CONTEXT = re.compile(r"position_embeddings$|positions$|^max_seq(uence)?_len(gth)?$|^n_ctx$")
+_WIDTH = re.compile(r"(_size|_dim|_rank)$|^d_|^n_embd$|^n_inner$")
+_COUNT = re.compile(r"^(num|n)_|experts|_heads$")
+_TOKEN_ID = re.compile(r"token_(id|ids|index)$")
+_PATTERN = re.compile(r"(_types|pattern)$")     # a per-layer kind, cycled if shorter
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the shrinking reads of a config (before) or sets (after)."""
+    layers: int
+    n_q: int
+    n_kv: int
+    d_h: int
+    hidden: int
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _standard_names(config) -> dict[str, str]:
+    """Stored field name -> its standard name (``n_embd`` -> ``hidden_size``)."""
+    return {stored: standard for standard, stored in getattr(config, "attribute_map", {}).items()}
+
+
+def _old_shape(fields: dict, standard: dict[str, str]) -> _Shape:
+    """The shape in ``fields`` (read from the dict: a per-layer config may refuse getattr)."""
+    named = {standard.get(k, k): v for k, v in fields.items()}
+
+    def value(name: str) -> int:
+        return named[name] if _is_int(named.get(name)) else 0
+
+    n_q, hidden = value("num_attention_heads"), value("hidden_size")
+    d_h = value("head_dim") or (hidden // n_q if n_q else 0)
+    return _Shape(value("num_hidden_layers"), n_q, value("num_key_value_heads") or n_q, d_h,
+                  hidden)
+
+
+def _kept_layers(fields: dict, n_layers: int) -> list[int]:
+    """Indices of the layers a shrunk model keeps: the first of each kind, then the next ones
+    up to ``LAYERS``; a kind is a layer's entries in every per-layer list and per-layer dict
+    (keyed by layer index), and whether each list of layer indices names it. A kind pattern
+    shorter than the model (cycled) keeps enough layers to hold each of its kinds."""
+    per_layer = [v for k, v in fields.items() if len(_sequence(k, v)) == n_layers
+                 and _layer_indices(k, v, n_layers) is None]
+    per_layer += [[str(d.get(i)) for i in range(n_layers)]
+                  for d in map(_by_layer, fields.values()) if d is not None]
+    per_layer += [[i in chosen for i in range(n_layers)] for chosen in
+                  (_layer_indices(k, v, n_layers) for k, v in fields.items()) if chosen]
+    kinds = [tuple(str(seq[i]) for seq in per_layer) for i in range(n_layers)]
+    kept = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    cycled = [c for c in (_sequence(k, v) for k, v in fields.items() if _PATTERN.search(k))
+              if 0 < len(c) < n_layers]
+    least = max([LAYERS] + [max(c.index(kind) for kind in c) + 1 for c in cycled if c])
+    for i in range(n_layers):
+        if len(kept) >= min(least, n_layers):
+            break
+        kept = sorted(set(kept + [i]))
+    return kept
+
+
+def _layer_indices(key: str, value, n_layers: int) -> set[int] | None:
+    """The layers a ``*layers`` list of layer indices names (``moe_layers=[0, 1, …]``,
+    strictly increasing, inside the model), else None."""
+    if not key.endswith("layers") or not isinstance(value, list) or not value \
+            or not all(_is_int(i) and 0 <= i < n_layers for i in value) \
+            or any(a >= b for a, b in zip(value, value[1:])):
+        return None
+    return set(value)
+
+
+def _by_layer(value) -> dict[int, Any] | None:
+    """``{layer index: overrides}`` of a dict of dicts keyed by layer indices
+    (``{"05": {"head_dim": 512}}``), else None."""
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(v, dict) and (isinstance(k, int) or isinstance(k, str) and k.isdigit())
+            for k, v in value.items()):
+        return None
+    return {int(k): v for k, v in value.items()}
+
+
+def _sequence(key: str, value) -> list | str:
+    """``value`` if it may be per layer: a list, or a string named a pattern."""
+    if isinstance(value, list) or isinstance(value, str) and _PATTERN.search(key):
+        return value
+    return []
+
+
+def _new_token_ids(fields: dict, vocab: int) -> dict:
+    """Special token ids ≥ ``vocab`` moved to ``vocab - 1, vocab - 2, …`` (equal stay equal)."""
+    ids = sorted({i for k, v in fields.items() if _TOKEN_ID.search(k)
+                  for i in (v if isinstance(v, list) else [v]) if _is_int(i) and i >= vocab})
+    moved = {old: vocab - 1 - n for n, old in enumerate(ids)}
+    out = {}
+    for key, value in fields.items():
+        if _TOKEN_ID.search(key) and isinstance(value, list):
+            out[key] = [moved.get(i, i) for i in value]
+        elif _TOKEN_ID.search(key) and _is_int(value):
+            out[key] = moved.get(value, value)
+    return out
+
+
+def _shrunk_int(key: str, value: int, old: _Shape, new: _Shape) -> int:
+    """The new value of one integer field named ``key`` (its standard name where the config
+    aliases one)."""
+    def named(pattern: re.Pattern) -> bool:
+        return bool(pattern.search(key))
+
+    if key == "num_hidden_layers" or named(_LAYERS):
+        return min(value, new.layers)
+    if named(_KV_HEADS):
+        return new.n_kv if value == old.n_kv else min(value, COUNT)
+    if named(_Q_HEADS):
+        return new.n_q if value == old.n_q else min(value, COUNT)
+    if key == "hidden_size":
+        return new.hidden
+    if named(_NOT_WIDTH):
+        return value
+    if named(_PER_HEAD) and old.d_h:   # one factor for all: nope + rope = qk stays true
+        return max(2, 2 * round(value * HEAD_DIM / old.d_h / 2))
+    if named(_VOCAB) or named(_CONTEXT):
+        return min(value, WIDTH)
+    if named(_WIDTH):
+        return new.hidden if value == old.hidden else min(value, WIDTH)
+    if named(_COUNT):
+        return min(value, COUNT)
+    return value
+
+
+def _shrunk_value(key: str, value, old: _Shape, new: _Shape, kept: list[int]):
+    """An int by :func:`_shrunk_int`; a dict entry by entry (``rope_parameters`` …), one keyed
+    by layer index reduced to the ``kept`` layers, renumbered; anything else as it is."""
+    if _is_int(value) and value > 0:
+        return _shrunk_int(key, value, old, new)
+    if not isinstance(value, dict):
+        return value
+    if _by_layer(value) is not None and old.layers > len(kept):
+        width = len(str(next(iter(value))))
+        keys = {int(k): k for k in value}
+        return {(str(n).zfill(width) if isinstance(keys[i], str) else n):
+                _shrunk_value(key, value[keys[i]], old, new, kept)
+                for n, i in enumerate(kept) if i in keys}
+    return {k: _shrunk_value(k if isinstance(k, str) else key, v, old, new, kept)
+            for k, v in value.items()}
+
+
+def _layer_periods(fields: dict, layers: int) -> dict:
+    """``X_period``/``X_offset`` pairs (layer i is of kind X when i % period == offset) that
+    still select a layer of the ``layers`` kept."""
+    out = {}
+    for key, period in fields.items():
+        offset_key = key.removesuffix("_period") + "_offset"
+        if key.endswith("_period") and _is_int(period) and _is_int(fields.get(offset_key)):
+            out[key] = max(1, min(period, layers))
+            out[offset_key] = fields[offset_key] % out[key]
+    return out
+
+
+def _shrunk_fields(config) -> dict[str, Any]:
+    """``config.to_dict()`` with every size field shrunk (sub-configs recursively)."""
+    import transformers
+
+    fields = config.to_dict()
+    standard = _standard_names(config)
+    old = _old_shape(fields, standard)
+    ratio = old.n_q // old.n_kv if old.n_kv and old.n_q % old.n_kv == 0 else 1
+    n_kv = max(1, HEADS // ratio) if old.n_kv else 0
+    kept = _kept_layers(fields, old.layers) if old.layers else []
+    new = _Shape(len(kept), n_kv * ratio, n_kv, HEAD_DIM,
+                 n_kv * ratio * HEAD_DIM if old.n_q else min(old.hidden, WIDTH))
+    for key, value in fields.items():
+        sub = getattr(config, key, None) if isinstance(value, dict) else None
+        chosen = _layer_indices(key, value, old.layers)
+        if isinstance(sub, transformers.PreTrainedConfig):
+            fields[key] = _shrunk_fields(sub)
+        elif chosen is not None:
+            fields[key] = [n for n, i in enumerate(kept) if i in chosen]
+        elif old.layers > len(kept) and len(_sequence(key, value)) == old.layers:
+            picked = [value[i] for i in kept]
+            fields[key] = "".join(picked) if isinstance(value, str) else picked
+        else:
+            fields[key] = _shrunk_value(standard.get(key, key), value, old, new, kept)
+    fields.update(_layer_periods(fields, new.layers))
+    vocab = fields.get(next((k for k, s in standard.items() if s == "vocab_size"), "vocab_size"))
+    # ids of a composite config index its text model's vocabulary, at most WIDTH now
+    fields.update(_new_token_ids(fields, vocab if _is_int(vocab) else WIDTH))
+    return fields
+
+
+def shrink_config(config):
+    """A copy of ``config`` with every size field shrunk (see the module docstring)."""
+    return type(config).from_dict(_shrunk_fields(config))

@@ -1,0 +1,102 @@
+"""``geoscale_fx.hf_config_shrinker``: the generic shrinker of Hugging Face configs, checked on
+the invariants it promises (GQA ratio, d = n_q·d_h, per-layer kinds, sums of head widths, token
+ids inside the vocabulary) rather than on a list of expected numbers per family."""
+from __future__ import annotations
+
+import pytest
+
+from geoscale_fx import hf_config_shrinker as shrinker
+from geoscale_fx.hf_config_shrinker import shrink_config
+
+pytestmark = pytest.mark.zoo
+transformers = pytest.importorskip("transformers")
+
+
+def _default(model_type: str):
+    return transformers.AutoConfig.for_model(model_type)
+
+
+def test_gqa_ratio_width_and_head_dim_are_kept_consistent():
+    """Llama-2-70B's shape (64 q heads over 8 kv heads, d = 8192): 8 q heads over 1, d_h = 16,
+    d = 128; everything else small."""
+    big = transformers.LlamaConfig(hidden_size=8192, num_attention_heads=64,
+                                   num_key_value_heads=8, num_hidden_layers=80,
+                                   intermediate_size=28672, vocab_size=32000,
+                                   max_position_embeddings=4096)
+    small = shrink_config(big)
+    assert (small.num_attention_heads, small.num_key_value_heads) == (8, 1)
+    assert small.head_dim == shrinker.HEAD_DIM
+    assert small.hidden_size == small.num_attention_heads * small.head_dim
+    assert small.num_hidden_layers == shrinker.LAYERS
+    assert small.intermediate_size <= shrinker.WIDTH
+    assert small.vocab_size <= shrinker.WIDTH
+    assert big.num_hidden_layers == 80            # the input is not modified
+
+
+def test_aliases_are_read_from_the_attribute_map():
+    """GPT-2 stores n_embd / n_head / n_layer / n_positions; its eos id 50256 moves inside
+    the new vocabulary."""
+    small = shrink_config(transformers.GPT2Config())
+    assert (small.n_embd, small.n_head, small.n_layer) == (64, 4, 2)
+    assert small.n_positions <= shrinker.WIDTH
+    assert small.eos_token_id < small.vocab_size and small.bos_token_id == small.eos_token_id
+
+
+def test_special_token_ids_move_to_the_top_and_stay_distinct():
+    """Ids beyond the new vocabulary take its top ids in order, equal ids stay equal (bos is
+    one of the eos list) and an id already inside is kept."""
+    big = transformers.LlamaConfig(vocab_size=32000, bos_token_id=31998,
+                                   eos_token_id=[31999, 31998], pad_token_id=5)
+    small = shrink_config(big)
+    vocab = small.vocab_size
+    assert vocab == shrinker.WIDTH
+    assert (small.bos_token_id, small.eos_token_id) == (vocab - 1, [vocab - 2, vocab - 1])
+    assert small.pad_token_id == 5
+
+
+def test_every_kind_of_layer_is_kept():
+    """Per-layer kinds survive: Gemma-2 alternates sliding and full attention, Qwen3-Next
+    has linear attention in three layers of four; a cycled pattern shorter than the model
+    (RecurrentGemma's block_types) keeps enough layers to hold each kind."""
+    gemma2 = shrink_config(_default("gemma2"))
+    assert sorted(set(gemma2.layer_types)) == ["full_attention", "sliding_attention"]
+    assert len(gemma2.layer_types) == gemma2.num_hidden_layers == 2
+    nxt = shrink_config(_default("qwen3_next"))
+    assert set(nxt.layer_types) == {"full_attention", "linear_attention"}
+    recurrent = shrink_config(_default("recurrent_gemma"))
+    assert recurrent.num_hidden_layers == 3 and "attention" in recurrent.block_types
+
+
+def test_period_and_offset_pairs_still_select_a_kept_layer():
+    """Jamba puts attention in layers i % 8 == 4 of 32 and experts in i % 2 == 1: among the
+    layers kept, some are attention and some not, some MoE and some not."""
+    big = _default("jamba")
+    small = shrink_config(big)
+    layers = range(small.num_hidden_layers)
+    assert small.num_hidden_layers < big.num_hidden_layers
+    for kind in ("attn_layer", "expert_layer"):
+        period, offset = getattr(small, f"{kind}_period"), getattr(small, f"{kind}_offset")
+        chosen = [i % period == offset for i in layers]
+        assert any(chosen) and not all(chosen), (kind, period, offset)
+
+
+def test_lists_of_layer_indices_are_renumbered_not_cut():
+    """Llama-4 names its MoE layers by index (all 48) next to per-layer lists: two layers
+    hold its two kinds (chunked with RoPE, full without), and both stay MoE layers."""
+    big = _default("llama4_text")
+    assert big.moe_layers == list(range(big.num_hidden_layers))
+    small = shrink_config(big)
+    assert small.num_hidden_layers == 2 and small.moe_layers == [0, 1]
+    assert set(small.layer_types) == set(big.layer_types)
+    assert sorted(small.no_rope_layers) == [0, 1]
+
+
+def test_head_widths_are_scaled_by_one_factor():
+    """DeepSeek-V3's MLA: q·k runs over nope + rope dims, so qk_head_dim = qk_nope_head_dim +
+    qk_rope_head_dim must hold after the shrinking too."""
+    big = _default("deepseek_v3")
+    assert big.qk_head_dim == big.qk_nope_head_dim + big.qk_rope_head_dim
+    small = shrink_config(big)
+    assert small.qk_head_dim == small.qk_nope_head_dim + small.qk_rope_head_dim
+    assert small.qk_head_dim < big.qk_head_dim
+    assert small.num_experts_per_tok <= small.n_routed_experts <= shrinker.COUNT
