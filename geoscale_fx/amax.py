@@ -35,7 +35,7 @@ def side_amax(side: Side, resolve) -> torch.Tensor:
                          "graph runs, not from the weights")
     a, c = head_weights.side_heads(side, resolve)
     c = None if c is None else c.detach().double()
-    rho = side.radius
+    rho = head_weights.side_radius(side, resolve)
     if side.rotary is not None and not side.pairs:     # stacked rotations: the head's norm
         norms = spectral.head_spectral_norms(a.detach().double())
         cn = torch.zeros_like(norms) if c is None else torch.linalg.vector_norm(c, dim=-1)

@@ -238,7 +238,7 @@ class ExactObservedKeys(ExactNormProduct):
         cq = (torch.zeros_like(nq) if hw.c_q is None
               else torch.linalg.vector_norm(hw.c_q.double(), dim=-1))
         return (abs(self.softmax_scale) * self.term.operand_scale
-                * (self.term.q.radius * nq.double() + cq))
+                * (hw.radii(self.term)[0] * nq.double() + cq))
 
     def _with_keys(self, query_factor, nk, state) -> torch.Tensor:
         group = query_factor.shape[0] // nk.shape[0]

@@ -19,10 +19,11 @@ import torch
 from geoscale_fx import spectral
 from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.site_terms import HeadWeights, Side, Term
+from geoscale_fx.value_radius import evaluate_radius
 
 __all__ = ["Resolve", "gather_heads", "gather_bias", "fold_channel_ops", "observed_heads",
-           "side_heads", "key_head_norms", "term_head_weights", "site_term_weights",
-           "site_head_weights"]
+           "side_heads", "side_radius", "key_head_norms", "term_head_weights",
+           "site_term_weights", "site_head_weights"]
 
 Resolve = Callable[[str], torch.Tensor]
 
@@ -174,10 +175,21 @@ def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[tor
     return spectral.fold_affine(w_heads, gain, offset, bias_heads)
 
 
+def side_radius(side: Side, resolve: Resolve):
+    """``ρ`` with ``‖x̂‖ ≤ ρ`` for the side's source: the fixed float of a normalized source
+    (unchanged numbers), or for a source bounded by value its radius evaluated from the
+    current values (float64 0-dim tensor, ``value_radius.evaluate_radius``)."""
+    if side.source.bounded:
+        return evaluate_radius(side.source.radius_expr, resolve)
+    return side.radius
+
+
 def term_head_weights(term: Term, resolve: Resolve) -> HeadWeights:
     a_q, c_q = side_heads(term.q, resolve)
     a_k, c_k = side_heads(term.k, resolve)
-    return HeadWeights(a_q, c_q, a_k, c_k)
+    rho_q = side_radius(term.q, resolve) if term.q.source.bounded else None
+    rho_k = side_radius(term.k, resolve) if term.k.source.bounded else None
+    return HeadWeights(a_q, c_q, a_k, c_k, rho_q, rho_k)
 
 
 def site_term_weights(site: AttentionSite) -> list[HeadWeights]:

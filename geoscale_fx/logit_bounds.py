@@ -38,15 +38,14 @@ def sigma_bound(term: Term, head_weights: HeadWeights, sigma: torch.Tensor,
     gain: an assumption, not a proof (the caller marks the site uncertified).
     """
     a_q, c_q, a_k, c_k = head_weights
+    rho_q, rho_k = head_weights.radii(term)
     aq_ck, ak_cq, cq_ck = spectral.bias_terms(a_q, c_q, a_k, c_k)
     if sigma.shape[0] == 1 and aq_ck.shape[0] != 1:  # per layer: the worst head's offsets
-        offsets = (term.q.radius * aq_ck + term.k.radius * ak_cq + cq_ck.abs()).amax()
-        bound = abs(softmax_scale) * (term.q.radius * term.k.radius * sigma.double()
-                                      + offsets).reshape(1)
+        offsets = (rho_q * aq_ck + rho_k * ak_cq + cq_ck.abs()).amax()
+        bound = abs(softmax_scale) * (rho_q * rho_k * sigma.double() + offsets).reshape(1)
     else:
-        bound = bounds.affine_logit_bound(sigma, aq_ck, ak_cq, cq_ck, radius_q=term.q.radius,
-                                          radius_k=term.k.radius,
-                                          softmax_scale=abs(softmax_scale))
+        bound = bounds.affine_logit_bound(sigma, aq_ck, ak_cq, cq_ck, radius_q=rho_q,
+                                          radius_k=rho_k, softmax_scale=abs(softmax_scale))
     return bound * term.operand_scale
 
 
@@ -54,6 +53,7 @@ def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Ten
                        ak_norm: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Certified RoPE bound from per-head ``‖A_q,h‖`` (n_q,) and ``‖A_k,g‖`` (n_kv,)."""
     _, c_q, _, c_k = head_weights
+    rho_q, rho_k = head_weights.radii(term)
     group = aq_norm.shape[0] // ak_norm.shape[0]
     ak_norm = ak_norm.repeat_interleave(group)
     zeros = aq_norm.new_zeros(aq_norm.shape, dtype=torch.float64)
@@ -61,7 +61,7 @@ def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Ten
     ck_norm = zeros if c_k is None else torch.linalg.vector_norm(
         c_k.double(), dim=-1).repeat_interleave(group)
     return bounds.norm_product_logit_bound(aq_norm, ak_norm, cq_norm, ck_norm,
-                                           radius_q=term.q.radius, radius_k=term.k.radius,
+                                           radius_q=rho_q, radius_k=rho_k,
                                            softmax_scale=abs(softmax_scale),
                                            rotation_gain=term.operand_scale)
 

@@ -86,18 +86,19 @@ def relative_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeig
     high = 0 if site.is_causal and site.q_len == site.kv_len and not site.has_mask else length - 1
     t = relative_rotations(omega, rq.pairing, signs, torch.arange(low, high + 1))  # (n_δ,d,d)
     a_q, c_q, a_k, c_k = head_weights
+    rho_q, rho_k = head_weights.radii(term)
     group = a_q.shape[0] // a_k.shape[0]
     r_q = _upper_factor(a_q)                                         # (n_q, d_h, d_h)
     r_k = _upper_factor(a_k).repeat_interleave(group, dim=0)
     m = r_q[:, None] @ t[None] @ r_k[:, None].transpose(-1, -2)      # (n_q, n_δ, d_h, d_h)
-    total = term.q.radius * term.k.radius * torch.linalg.matrix_norm(m, ord=2)
+    total = rho_q * rho_k * torch.linalg.matrix_norm(m, ord=2)
     if c_k is not None:
         ck = c_k.detach().double().repeat_interleave(group, dim=0)
-        total = total + term.q.radius * torch.linalg.vector_norm(
+        total = total + rho_q * torch.linalg.vector_norm(
             r_q[:, None] @ t[None] @ ck[:, None, :, None], dim=(-2, -1))
     if c_q is not None:
         cq = c_q.detach().double()
-        total = total + term.k.radius * torch.linalg.vector_norm(
+        total = total + rho_k * torch.linalg.vector_norm(
             r_k[:, None] @ t[None].transpose(-1, -2) @ cq[:, None, :, None], dim=(-2, -1))
         if c_k is not None:
             total = total + (cq[:, None, None, :] @ t[None] @ ck[:, None, :, None]).abs()[..., 0, 0]

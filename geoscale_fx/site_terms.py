@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from geoscale_fx.value_radius import radius_nodes
+
 __all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "MODIFIER_KINDS"]
 
 #: What may happen to the summed logits before the softmax (in graph order):
@@ -62,8 +64,14 @@ class Source:
     ``channel_ops`` are the per-channel ``("mul" | "add", node name or constant)`` applied to
     ``x̂`` in order (the norm's own gain and bias first); ``radius = radius_factor · √width``
     (LayerNorm and RMSNorm give ``‖x̂‖ ≤ √width``; training-mode dropout widens it).
+
+    A source *bounded by value* (``norm == "bounded"``: no normalization before the
+    projection) is the projection's input ``x̂ = x`` itself, with no channel ops, and
+    ``‖x‖ ≤ ρ`` where ``ρ`` is computed from parameter values by ``radius_expr``
+    (``geoscale_fx.value_radius``): it has no fixed ``radius``; the numerics evaluate it
+    (``head_weights.side_radius``) whenever they evaluate the weights.
     """
-    norm: str                        # "layernorm" | "rmsnorm"
+    norm: str                        # "layernorm" | "rmsnorm" | "bounded" (by value)
     node: str                        # the normalization node
     width: int                       # d: the normalized vector's length
     channel_ops: tuple[tuple[str, object], ...] = ()
@@ -71,11 +79,28 @@ class Source:
     #: QK-norm sources (a normalization after the projection): where projection feature f
     #: sits in its normalized row (the index of its per-channel gain); () before a projection
     channel_index: tuple[int, ...] = ()
+    #: a source bounded by value: the expression of ``ρ`` over graph node names
+    radius_expr: tuple = ()
+
+    @property
+    def bounded(self) -> bool:
+        """``‖x‖ ≤ ρ`` from parameter values (``radius_expr``), not from a normalization."""
+        return bool(self.radius_expr)
 
     @property
     def radius(self) -> float:
-        """``ρ``: the bound on ``‖x̂‖``."""
+        """``ρ``: the bound on ``‖x̂‖`` (a normalized source's; a source bounded by value has
+        none fixed: ``head_weights.side_radius`` evaluates it)."""
+        if self.bounded:
+            raise ValueError(f"source `{self.node}` is bounded by parameter values: evaluate "
+                             "its radius with head_weights.side_radius(side, resolve)")
         return self.radius_factor * math.sqrt(self.width)
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """Graph nodes the source's radius and channel ops read."""
+        ops = tuple(v for _, v in self.channel_ops if isinstance(v, str))
+        return ops + (radius_nodes(self.radius_expr) if self.radius_expr else ())
 
 
 @dataclass(frozen=True)
@@ -153,7 +178,7 @@ class Side:
         names += [self.inner] if self.inner is not None else []
         names += [n for a, b, _ in self.low_rank for n in (a, b) if n is not None]
         names += [self.bias] if self.bias is not None else []
-        names += [v for _, v in self.source.channel_ops if isinstance(v, str)]
+        names += self.source.node_names
         return tuple(names)
 
     @property
@@ -218,6 +243,16 @@ class HeadWeights:
     c_q: Optional[torch.Tensor]       # (n_q, d_h) or None
     a_k: torch.Tensor                 # (n_kv, d, d_h)
     c_k: Optional[torch.Tensor]       # (n_kv, d_h) or None
+    #: ``ρ`` of a side whose source is bounded by value, evaluated with the weights
+    #: (float64, 0-dim); None: the side's own fixed ``radius``
+    rho_q: Optional[torch.Tensor] = None
+    rho_k: Optional[torch.Tensor] = None
 
     def __iter__(self):
         return iter((self.a_q, self.c_q, self.a_k, self.c_k))
+
+    def radii(self, term: "Term") -> tuple:
+        """``(ρ_q, ρ_k)``: the evaluated radius of a side bounded by value, else its own
+        (a float: the numbers of normalized sources are unchanged)."""
+        return (term.q.radius if self.rho_q is None else self.rho_q,
+                term.k.radius if self.rho_k is None else self.rho_k)

@@ -231,6 +231,55 @@ class LoRAQuery(nn.Module):
         return F.scaled_dot_product_attention(q, k, v)
 
 
+class EmbeddedTokens(nn.Module):
+    """A first layer (GPT-1, Marian): a token-embedding gather plus a learned position
+    embedding feed the projections, no normalization before them (‖x‖ is bounded by the two
+    tables' largest rows). The token of each position is ``argmax`` of the input's features,
+    so a float input picks any row."""
+
+    def __init__(self, vocab=D, positions=64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, D), nn.Embedding(positions, D)
+        self.block = Block(norm="none")
+
+    def forward(self, x):
+        ids = x.argmax(dim=-1)                                               # (B, L)
+        h = self.tok(ids) + self.pos(torch.arange(x.shape[1], device=x.device))
+        return self.block(F.dropout(h, p=0.1, training=self.training))
+
+
+class EmbeddingProjection(nn.Module):
+    """ELECTRA / RemBERT: the embedding LayerNorm, then a Linear embedding projection
+    (E → D) in front of the attention (‖x‖ ≤ σ_max(P)·(√E·max|g| + ‖β‖) + ‖b‖)."""
+
+    E = D // 2
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(self.E)
+        self.project = nn.Linear(self.E, D)
+        self.block = Block(norm="none")
+
+    def forward(self, x):
+        return self.block(self.project(self.norm(x[..., :self.E])))
+
+
+class PaddingMasked(nn.Module):
+    """XLM: the LayerNorm output multiplied in place by a 0/1 padding mask that a comparison
+    made (``tensor *= mask.unsqueeze(-1).to(dtype)``): ‖m·x‖ ≤ ‖x‖."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.block = Block(norm="none")
+
+    def forward(self, x):
+        mask = x[..., 0] > -1.0                                              # (B, L) bool
+        h = self.norm(x)
+        h *= mask.unsqueeze(-1).to(h.dtype)
+        return self.block(h)
+
+
 def block(**kw):
     return lambda: Block(**kw)
 
@@ -262,4 +311,8 @@ VARIANTS = {
     # DeepSeek-V4: mean(x.square()) as the mean square of a QK-norm
     "qk_norm_square": (block(norm="rmsnorm", qk_norm="square", attn="explicit"),
                        dict(norm="rmsnorm", model_dim=DH)),
+    # no normalization before the projections: ‖x‖ bounded by the parameters' values
+    "embedding_gather": (EmbeddedTokens, dict(norm="bounded")),
+    "embedding_projection": (EmbeddingProjection, dict(norm="bounded")),
+    "padding_mask": (PaddingMasked, dict(norm="bounded")),
 }

@@ -18,8 +18,8 @@ import torch
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name
 from geoscale_fx.passes.index_track import Unsupported
-from geoscale_fx.passes.operand_sides import source_of
-from geoscale_fx.passes.provenance import HeadRows, OperandTrace, trace_normalized_input
+from geoscale_fx.passes.operand_sides import input_source
+from geoscale_fx.passes.provenance import HeadRows, OperandTrace
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.site_terms import Side
 
@@ -51,7 +51,7 @@ def fold_added_maps(cand: Candidate, role: str, trace: OperandTrace, root: int, 
         if projection.bias is not None or projection.layout != "linear":
             raise Unsupported(f"`{cand.node.name}`: the {role}'s added map "
                               f"`{projection.root.name}` has a bias or a dense weight layout")
-        source = source_of(trace_normalized_input(projection.x, kinds, projection.root))
+        source = input_source(projection.x, kinds, projection.root)
         inner = projection.inner.name if projection.inner is not None else None
         names = tuple(parameter_name(n) for n in (projection.inner, projection.weight)
                       if n is not None and n.op == "placeholder")

@@ -22,6 +22,7 @@ from geoscale_fx.passes.graph_ops import (
 from geoscale_fx.passes.index_replay import Unsupported
 
 __all__ = ["NormalizedInput", "trace_normalized_input", "norm_input", "same_value",
+           "keeps_last_dim", "is_last_dim",
            "strip_casts", "VIEWS"]
 
 
@@ -46,9 +47,9 @@ def strip_casts(node):
     return node
 
 
-def _is_last_dim(dim, ndim) -> bool:
+def is_last_dim(dim, ndim) -> bool:
     if isinstance(dim, (list, tuple)):
-        return len(dim) == 1 and _is_last_dim(dim[0], ndim)
+        return len(dim) == 1 and is_last_dim(dim[0], ndim)
     return dim in (-1, ndim - 1)
 
 
@@ -60,7 +61,7 @@ def _mean_square_source(node: Node) -> Optional[Node]:
     dim, keepdim = arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
     square = strip_casts(node.args[0])
     ndim = len(shape_of(square) or ())
-    if not keepdim or not _is_last_dim(dim, ndim):
+    if not keepdim or not is_last_dim(dim, ndim):
         return None
     if op_of(square) == "pow" and scalar_constant(square.args[1]) == 2.0:
         return strip_casts(square.args[0])
@@ -132,7 +133,7 @@ def _centered_source(node: Node) -> Optional[Node]:
         return None
     x = node.args[0]
     ndim = len(shape_of(x) or ())
-    return x if _is_last_dim(arg(mean, 1, "dim"), ndim) and same_value(
+    return x if is_last_dim(arg(mean, 1, "dim"), ndim) and same_value(
         strip_casts(mean.args[0]), strip_casts(x)) else None
 
 
@@ -206,7 +207,7 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
     if op in VIEWS:
         src = node.args[0]
         if not isinstance(src, Node) or (shape_of(src) or (0,))[-1] != d or \
-                not _keeps_last_dim(node, op):
+                not keeps_last_dim(node, op):
             fail(": it mixes the feature dimension")
         return src, radius_factor
     if op == "cat":  # ``cat([empty cache, x], dim=-2)``: x's rows, unchanged
@@ -214,7 +215,7 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
                  if not (isinstance(t, Node) and math.prod(shape_of(t) or (1,)) == 0)]
         ndim = len(shape_of(node) or ())
         if len(parts) == 1 and isinstance(parts[0], Node) and \
-                not _is_last_dim(arg(node, 1, "dim", 0), ndim):
+                not is_last_dim(arg(node, 1, "dim", 0), ndim):
             return parts[0], radius_factor
         fail(": it concatenates values that do not all come from one normalization")
     if op == "dropout":
@@ -244,14 +245,14 @@ def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
     fail()
 
 
-def _keeps_last_dim(node: Node, op: str) -> bool:
+def keeps_last_dim(node: Node, op: str) -> bool:
     ndim = len(shape_of(node) or ())
     if op == "transpose":
         dims = [arg(node, 1, "dim0"), arg(node, 2, "dim1")]
-        return not any(_is_last_dim(dim, ndim) for dim in dims)
+        return not any(is_last_dim(dim, ndim) for dim in dims)
     if op == "permute":
         dims = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
-        return _is_last_dim(dims[-1], ndim)
+        return is_last_dim(dims[-1], ndim)
     if op == "getitem":
         index = node.args[1]
         index = index if isinstance(index, tuple) else (index,)
@@ -260,7 +261,7 @@ def _keeps_last_dim(node: Node, op: str) -> bool:
         return len(index) < ndim or index[-1] == slice(None)
     if op in ("unsqueeze", "squeeze"):
         dim = arg(node, 1, "dim")
-        return dim is not None and not _is_last_dim(dim, ndim)
+        return dim is not None and not is_last_dim(dim, ndim)
     return True
 
 

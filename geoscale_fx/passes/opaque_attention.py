@@ -16,7 +16,7 @@ from torch.fx import Node
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, shape_of
 from geoscale_fx.passes.index_track import Unsupported
-from geoscale_fx.passes.operand_sides import projection_side
+from geoscale_fx.passes.operand_sides import projection_side, source_of
 from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, ProjectionOp, trace_normalized_input,
 )
@@ -99,4 +99,4 @@ def _packed_side(node: Node, weight: Node, bias, norm: NormalizedInput, features
     """A side read off the op's arguments: ``features`` rows of ``weight`` (and ``bias``)."""
     op = ProjectionOp(node, node, weight, "linear", bias)
     rows = HeadRows(features, torch.arange(len(features)), 1.0, 0.0, False)
-    return projection_side(op, rows, norm, [], bias_offset=bias_offset)
+    return projection_side(op, rows, source_of(norm), [], bias_offset=bias_offset)

@@ -22,9 +22,11 @@ from geoscale_fx.passes.provenance import (
 )
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import rotated_partners
+from geoscale_fx.passes.value_bound import trace_value_bound
 from geoscale_fx.site_terms import Side, Source
 
-__all__ = ["source_of", "side_of", "projection_side", "side_rotary", "position_gain"]
+__all__ = ["source_of", "input_source", "side_of", "projection_side", "side_rotary",
+           "position_gain"]
 
 
 def source_of(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Source:
@@ -36,14 +38,29 @@ def source_of(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Sou
                   channel_index=channel_index)
 
 
+def input_source(x: Node, kinds: ValueKinds, projection: Node) -> Source:
+    """The ``Source`` a projection reads: its normalized input, else (no normalization
+    before it) a source bounded by the values of the parameters it is computed from
+    (``passes.value_bound``: ``‖x‖ ≤ ρ``, no channel ops). Raises the normalization walk's
+    ``Unsupported`` (its reason) when neither bounds ``x``."""
+    try:
+        return source_of(trace_normalized_input(x, kinds, projection))
+    except Unsupported as refusal:
+        expr = trace_value_bound(x, kinds)
+        if expr is None:
+            raise refusal
+        return Source(norm="bounded", node=x.name, width=(shape_of(x) or (0,))[-1],
+                      radius_expr=expr)
+
+
 def side_of(trace: OperandTrace, rows: HeadRows, records: ReplayRecords, kinds: ValueKinds,
             features=None, offset: int = 0) -> Side:
     """A side from its operand's trace: the projection's normalized input, or the QK-norm
     the operand is made of (then the side has no weight of its own)."""
     unit = trace.norm_unit
     if unit is None:
-        norm = trace_normalized_input(trace.projection.x, kinds, trace.projection.root)
-        side = projection_side(trace.projection, rows, norm, records.rotaries,
+        source = input_source(trace.projection.x, kinds, trace.projection.root)
+        side = projection_side(trace.projection, rows, source, records.rotaries,
                                features=features)
     else:
         width, position = records.norms[unit.id]
@@ -69,13 +86,14 @@ def side_rotary(rows: HeadRows, rotaries):
                    pairing_verified=all(r.pairing_verified for r in rotaries))
 
 
-def projection_side(trace_proj: ProjectionOp, rows: HeadRows, norm: NormalizedInput, rotaries,
+def projection_side(trace_proj: ProjectionOp, rows: HeadRows, source: Source, rotaries,
                     features=None, bias_offset: int = 0) -> Side:
-    """The site-facing description of one side (``rows``: what reached the operand)."""
+    """The site-facing description of one side (``rows``: what reached the operand,
+    ``source``: what the projection reads)."""
     rotary = side_rotary(rows, rotaries)
     weight_param, bias_param = parameter_names(trace_proj)
     return Side(
-        source=source_of(norm), weight=trace_proj.weight.name, layout=trace_proj.layout,
+        source=source, weight=trace_proj.weight.name, layout=trace_proj.layout,
         features=features if features is not None else rows.features,
         bias=trace_proj.bias.name if trace_proj.bias is not None else None, rotary=rotary,
         weight_param=weight_param, bias_param=bias_param, bias_offset=bias_offset,

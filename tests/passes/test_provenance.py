@@ -4,24 +4,19 @@ the per-head feature lists at the operand)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 import geoscale_fx
-from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes import broadcast as bc
-from geoscale_fx.passes.evaluate import ParamEvaluator
-from geoscale_fx.passes.graph_ops import ValueKinds, op_of, parameter_name
+from geoscale_fx.passes.graph_ops import op_of, parameter_name
 from geoscale_fx.passes.index_replay import Unsupported
-from geoscale_fx.passes.provenance import (
-    NormalizedInput, find_projection, head_rows, trace_normalized_input, trace_operand,
-)
-from geoscale_fx.passes.replay_records import ReplayRecords
+from geoscale_fx.passes.provenance import find_projection, head_rows
+from tests.analysis_checks import Captured
 
 B, L, D, H, DH = 2, 6, 32, 4, 8
 EPS = 1e-6
@@ -31,35 +26,8 @@ EPS = 1e-6
 # Helpers
 # --------------------------------------------------------------------------------------
 
-@dataclass
-class Captured:
-    gm: GraphModule
-    inputs: list
-    kinds: ValueKinds
-
-    @property
-    def operands(self) -> list[Node]:
-        output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        return list(output.args[0])
-
-    def normalized(self, operand: Node | None = None) -> NormalizedInput:
-        (projection,), _, _, _ = find_projection(operand or self.operands[0], self.kinds,
-                                                 "query")
-        return trace_normalized_input(projection.x, self.kinds, projection.root)
-
-    def track(self, operand: Node):
-        records = ReplayRecords(ParamEvaluator(self.gm, self.inputs, self.kinds))
-        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        return trace_operand(operand, self.kinds, records, "query", order).track
-
-    def value(self, node: Node) -> torch.Tensor:
-        return ParamEvaluator(self.gm, self.inputs, self.kinds).evaluate(node)
-
-
 def _capture(module: nn.Module) -> Captured:
-    (graph,) = capture_graphs(module, torch.randn(B, L, D))
-    return Captured(graph.gm, graph.example_inputs, ValueKinds(graph.gm.graph,
-                                                               graph.example_inputs))
+    return Captured.of(module, torch.randn(B, L, D))
 
 
 def _param(node) -> str:
@@ -246,14 +214,15 @@ class DroppedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, k)
 
 
-def test_site_with_layernorm_bias_under_training_dropout_is_unsupported():
-    """find_attention reports the site unsupported with the layer_norm bias reason, while the
-    bias-free LayerNorm under the same dropout stays supported with radius_factor 2."""
+def test_layernorm_bias_under_training_dropout_is_bounded_by_value():
+    """A LayerNorm bias under training-mode dropout is not a fixed offset (the mask scales it
+    too), so the affine source does not hold: the site's source is bounded by value instead,
+    ``(√d·max|g| + ‖β‖)/(1−p)``; the bias-free LayerNorm under the same dropout stays an
+    affine source with radius_factor 2."""
     x = torch.randn(B, L, D)
     (site,) = geoscale_fx.find_attention(DroppedAttention(nn.LayerNorm(D)).train(), x)
-    assert site.supported is False
-    assert site.reason.startswith("`layer_norm`: a normalization bias under training-mode "
-                                  "dropout")
+    assert site.supported, site.reason
+    assert site.q.source.norm == site.k.source.norm == "bounded"
     (site,) = geoscale_fx.find_attention(
         DroppedAttention(nn.LayerNorm(D, bias=False)).train(), x)
     assert site.supported, site.reason
@@ -375,9 +344,8 @@ def test_sum_of_two_maps_of_the_source_is_recorded(projections, index):
     operand = projections.operands[index]
     roots, *_ = find_projection(operand, projections.kinds, "query")
     assert len(roots) == 2
-    records = ReplayRecords(ParamEvaluator(projections.gm, projections.inputs, projections.kinds))
-    order = {n: i for i, n in enumerate(projections.gm.graph.nodes)}
-    trace = trace_operand(operand, projections.kinds, records, "query", order)
+    records = projections.records()
+    trace = projections.trace(operand, records)
     ((kept, added, ratio),) = records.sums
     assert ratio == 1.0
     offsets = dict((p.root, off) for p, off in trace.projections)
