@@ -3,19 +3,24 @@
 A site whose keys come from a cache that is only moved (``passes.cached_keys``) measures only
 this call's new keys in the graph and keeps ``key_norm_max``, the running per-key-head
 maximum of everything written before. That maximum covers a cache tensor only if every entry
-of the tensor went through the graph: this module records, after each call of a compiled
-graph (per running maximum: a dict lookup and a few weak references), the cache
-tensors the graph read and wrote (the past placeholders, mutated in place by a StaticCache,
-and the graph outputs that are the key or a slice of it: a DynamicCache's ``cat``), each with
-its in-place version counter and the version of the running maximum at that moment.
+of the tensor went through the graph. After each call of a compiled graph, the runtime keeps
+a ``VersionRecord`` of what the call left: each running maximum, and the cache tensors the
+graph read and wrote (the past placeholders, mutated in place by a StaticCache, and the graph
+outputs that are the key or a slice of it: a DynamicCache's ``cat``), each with its in-place
+version counter. The graph that last wrote a running maximum is its *owner*
+(``_OWNERS``: the record and the slots of that maximum and of its caches in it).
 
-Before a call, a past cache tensor is *trusted* when it is one of those tensors, unchanged
-since (same version), and the running maximum is the very value recorded with it (same
-version: no other cache, checkpoint load or cold start has rewritten it since). Otherwise —
-a fresh cache, a cache the user passed or edited, a beam reorder or crop that built a new
-tensor, a reset — the host measures the past tensors (``key_head_norms``, O(cache), once) and
-*replaces* the running maximum with that measurement before the graph runs. So the bound
-holds for whatever the cache holds, and a decode loop pays O(new tokens) per step.
+Before a call, a past cache tensor is *trusted* when the owner's record holds it, unchanged
+since (same version), and holds the running maximum unchanged too (no other cache, checkpoint
+load or cold start has rewritten it since). Otherwise — a fresh cache, a cache the user
+passed or edited, a beam reorder or crop that built a new tensor, a reset — the host measures
+the past tensors (``key_head_norms``, O(cache), once) and *replaces* the running maximum with
+that measurement before the graph runs. So the bound holds for whatever the cache holds, and
+a decode loop pays O(new tokens) per step.
+
+The runtime's fast path: when its own record holds every running maximum and every past
+cache of this call (``watched`` against ``check_slots``), nothing changed since its last call
+and this graph is still the owner, so neither ``before`` nor ``after`` has anything to do.
 
 A write through ``.data`` bypasses version counters and is not seen (as for the weights: see
 the README's inference section); inference-mode tensors keep no version counter, so their
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -34,32 +39,23 @@ from geoscale_fx.head_weights import key_head_norms
 from geoscale_fx.passes.cached_keys import whole_vector_slices
 from geoscale_fx.passes.graph_ops import op_of
 from geoscale_fx.site_terms import Side
+from geoscale_fx.version_record import VersionRecord
 
 __all__ = ["KeyNormTrust"]
 
 
-def _version(t: Any) -> int | None:
-    try:
-        return t._version
-    except (AttributeError, RuntimeError):     # inference-mode tensors have no counter
-        return None
+@dataclass(frozen=True)
+class _Owner:
+    """The graph that last wrote a running maximum: its record (weakly) and the slots there
+    of the maximum and of the caches it covers."""
+    record: weakref.ref
+    running: int
+    caches: tuple[int, ...]
 
-
-@dataclass
-class _Trusted:
-    """After a call, for one running maximum: its version, and the cache tensors it covers
-    (weak references, each with the tensor's version then)."""
-    running: weakref.ref
-    version: int | None
-    caches: list[tuple[weakref.ref, int]]
-
-    def covers(self, cache: Any, running: torch.Tensor) -> bool:
-        if self.running() is not running or self.version != _version(running) or \
-                self.version is None:
-            return False
-        version = _version(cache)
-        return version is not None and any(ref() is cache and seen == version
-                                           for ref, seen in self.caches)
+    def covers(self, running: torch.Tensor, caches: Sequence[Any]) -> bool:
+        record: Optional[VersionRecord] = self.record()
+        return record is not None and record.holds_slot(self.running, running) and all(
+            any(record.holds_slot(slot, cache) for slot in self.caches) for cache in caches)
 
 
 def _stored_from(node: Node, key: str) -> bool:
@@ -76,10 +72,9 @@ def _stored_from(node: Node, key: str) -> bool:
         return False
 
 
-#: id of a running maximum -> what it covered after the last call of any graph with it
-#: (dropped when the tensor dies; the prefill graph's cache is trusted by the decode graph's
-#: first call)
-_TRUSTED: dict[int, _Trusted] = {}
+#: id of a running maximum -> its owner, the graph that wrote it last (dropped when the
+#: tensor dies; the prefill graph's cache is trusted by the decode graph's first call)
+_OWNERS: dict[int, _Owner] = {}
 
 
 @dataclass(frozen=True)
@@ -92,8 +87,11 @@ class _Entry:
 
 
 class KeyNormTrust:
-    """For one compiled graph: before a call, re-measure untrusted caches; after it, trust
-    what the graph wrote. Empty (and free) for graphs without incremental keys."""
+    """For one compiled graph: before a call, re-measure untrusted caches; after it, own what
+    the graph wrote. Empty (and free) for graphs without incremental keys.
+
+    Record layout (``kept``, from ``offset`` in the runtime's record): the running maxima in
+    entry order, then per entry its past caches and the outputs that store its key."""
 
     def __init__(self, gm: GraphModule, plans: Sequence[Any]):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -111,6 +109,40 @@ class KeyNormTrust:
                 stored = tuple(i for i, o in enumerate(outputs)
                                if isinstance(o, Node) and _stored_from(o, side.source.node))
                 self.entries.append(_Entry(index, name, side.observed_axes, past, stored))
+        self.n_outputs = len(outputs)
+        self.cache_slots: list[tuple[int, ...]] = []   # per entry, in ``kept``
+        self.check_slots: Optional[list[int]] = list(range(len(self.entries)))
+        slot = len(self.entries)
+        for entry in self.entries:
+            n_past, n_out = len(entry.past), len(entry.outputs)
+            self.cache_slots.append(tuple(range(slot, slot + n_past + n_out)))
+            # next call's past caches are this call's stored keys (a DynamicCache's cat), or
+            # the same past tensors written in place (a StaticCache)
+            if n_out == 0:
+                self.check_slots += list(range(slot, slot + n_past))
+            elif n_out == n_past:
+                self.check_slots += list(range(slot + n_past, slot + n_past + n_out))
+            else:
+                self.check_slots = None         # no one-to-one continuation: no fast path
+                break
+            slot += n_past + n_out
+        self._record = VersionRecord()          # for callers that keep none (``after``)
+
+    def runnings(self, states: Sequence[Any]) -> list[torch.Tensor]:
+        return [getattr(states[e.site], e.state) for e in self.entries]
+
+    def watched(self, args: Sequence[Any], runnings: Sequence[torch.Tensor]) -> list:
+        """Before a call: the running maxima and the past caches (``check_slots`` order)."""
+        return [*runnings, *(args[i] for e in self.entries for i, _ in e.past)]
+
+    def kept(self, args: Sequence[Any], out: Any, runnings: Sequence[torch.Tensor]) -> list:
+        """After a call: the running maxima, and per entry its past caches and stored keys."""
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if len(outputs) != self.n_outputs:
+            outputs = [None] * self.n_outputs
+        return [*runnings, *(t for e in self.entries
+                             for t in [*(args[i] for i, _ in e.past),
+                                       *(outputs[i] for i in e.outputs)])]
 
     def before(self, args: Sequence[Any], states: Sequence[Any]) -> int:
         """Re-measure the past caches the running maxima do not cover; returns how many
@@ -118,9 +150,9 @@ class KeyNormTrust:
         measured = 0
         for entry in self.entries:
             running = getattr(states[entry.site], entry.state)
-            trusted = _TRUSTED.get(id(running))
+            owner = _OWNERS.get(id(running))
             caches = [(args[i], r) for i, r in entry.past]
-            if trusted is not None and all(trusted.covers(c, running) for c, _ in caches):
+            if owner is not None and owner.covers(running, [c for c, _ in caches]):
                 continue
             with torch.no_grad():
                 norms = torch.zeros_like(running)
@@ -131,18 +163,21 @@ class KeyNormTrust:
             measured += 1
         return measured
 
-    def after(self, args: Sequence[Any], out: Any, states: Sequence[Any]) -> None:
-        """Trust the caches this call read and wrote, with the running maxima as they are."""
+    def after(self, args: Sequence[Any], out: Any, states: Sequence[Any],
+              record: Optional[VersionRecord] = None, offset: int = 0) -> None:
+        """Own the caches this call read and wrote, with the running maxima as they are:
+        ``record`` (already updated by the caller with ``kept`` from ``offset``), or a
+        record of this object's own."""
         if not self.entries:
             return
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for entry in self.entries:
-            running = getattr(states[entry.site], entry.state)
-            tensors = [args[i] for i, _ in entry.past] + \
-                [outputs[i] for i in entry.outputs if i < len(outputs)]
+        runnings = self.runnings(states)
+        if record is None:
+            record, offset = self._record, 0
+            record.update(self.kept(args, out, runnings))
+        ref = weakref.ref(record)
+        for index, (running, slots) in enumerate(zip(runnings, self.cache_slots)):
+            owner = _Owner(ref, offset + index, tuple(offset + s for s in slots))
             key = id(running)
-            if key not in _TRUSTED:     # the record leaves with its running maximum
-                weakref.finalize(running, _TRUSTED.pop, key, None)
-            _TRUSTED[key] = _Trusted(weakref.ref(running), _version(running), [
-                (weakref.ref(t), _version(t)) for t in tensors
-                if isinstance(t, torch.Tensor) and _version(t) is not None])
+            if key not in _OWNERS:     # the entry leaves with its running maximum
+                weakref.finalize(running, _OWNERS.pop, key, None)
+            _OWNERS[key] = owner

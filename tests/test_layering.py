@@ -26,7 +26,7 @@ LAYER_NAMES = ("math", "plain data", "numerics", "policies and planning", "analy
 #: ``test_package_inits_import_nothing_of_the_package``), by layer, bottom-up.
 LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
-    "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "paper_models": MATH,
+    "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "value_radius": MATH, "version_record": MATH, "paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
     "site_terms": DATA, "site_model": DATA, "recipes": DATA, "option_rules": DATA,
     "config": DATA, "state": DATA, "layer_scales": DATA,
@@ -40,7 +40,7 @@ LAYERS = {
     "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.index_track": ANALYSIS,
     "passes.rotary_replay": ANALYSIS, "passes.dtensor": ANALYSIS,
     "passes.index_replay": ANALYSIS,
-    "passes.normalization": ANALYSIS, "passes.provenance": ANALYSIS,
+    "passes.normalization": ANALYSIS, "passes.value_bound": ANALYSIS, "passes.provenance": ANALYSIS,
     "passes.find_sites": ANALYSIS, "passes.cached_keys": ANALYSIS, "passes.evaluate": ANALYSIS,
     "passes.fp8_cache_reads": ANALYSIS, "passes.analyze": ANALYSIS, "capture": ANALYSIS,
     "passes.replay_records": ANALYSIS, "passes.rotary_terms": ANALYSIS,
@@ -63,6 +63,7 @@ LAYERS = {
     "wrapper": ENTRY, "conversion": ENTRY, "blocks": ENTRY, "serialization": ENTRY,
     "checkpoint": ENTRY, "calibration": ENTRY, "serving_scales": ENTRY, "export": ENTRY,
     "checkpoint_scales": ENTRY, "checkpoint_reader": ENTRY, "hf_configs": ENTRY,
+    "hf_config_shrinker": ENTRY,
     "inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
 }
 
