@@ -90,8 +90,8 @@ class KeyNormTrust:
     """For one compiled graph: before a call, re-measure untrusted caches; after it, own what
     the graph wrote. Empty (and free) for graphs without incremental keys.
 
-    Record layout (``kept``, from ``offset`` in the runtime's record): the running maxima in
-    entry order, then per entry its past caches and the outputs that store its key."""
+    Record layout (``kept``, from ``offset`` in the runtime's record): the running maxima,
+    then the past caches, then the outputs that store a key, each in entry order."""
 
     def __init__(self, gm: GraphModule, plans: Sequence[Any]):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -110,22 +110,26 @@ class KeyNormTrust:
                                if isinstance(o, Node) and _stored_from(o, side.source.node))
                 self.entries.append(_Entry(index, name, side.observed_axes, past, stored))
         self.n_outputs = len(outputs)
-        self.cache_slots: list[tuple[int, ...]] = []   # per entry, in ``kept``
-        self.check_slots: Optional[list[int]] = list(range(len(self.entries)))
-        slot = len(self.entries)
+        # ``kept`` layout: the running maxima, every entry's past caches, every entry's stored
+        # keys; per entry, the slots of its caches
+        self._past = [i for e in self.entries for i, _ in e.past]
+        self._stored = [i for e in self.entries for i in e.outputs]
+        n_run, past_at, stored_at = len(self.entries), len(self.entries), \
+            len(self.entries) + len(self._past)
+        self.cache_slots: list[tuple[int, ...]] = []
+        self.check_slots: Optional[list[int]] = list(range(n_run))
         for entry in self.entries:
             n_past, n_out = len(entry.past), len(entry.outputs)
-            self.cache_slots.append(tuple(range(slot, slot + n_past + n_out)))
+            past = list(range(past_at, past_at + n_past))
+            stored = list(range(stored_at, stored_at + n_out))
+            self.cache_slots.append(tuple(past + stored))
             # next call's past caches are this call's stored keys (a DynamicCache's cat), or
             # the same past tensors written in place (a StaticCache)
-            if n_out == 0:
-                self.check_slots += list(range(slot, slot + n_past))
-            elif n_out == n_past:
-                self.check_slots += list(range(slot + n_past, slot + n_past + n_out))
+            if self.check_slots is not None and (n_out == 0 or n_out == n_past):
+                self.check_slots += stored if n_out else past
             else:
                 self.check_slots = None         # no one-to-one continuation: no fast path
-                break
-            slot += n_past + n_out
+            past_at, stored_at = past_at + n_past, stored_at + n_out
         self._record = VersionRecord()          # for callers that keep none (``after``)
 
     def runnings(self, states: Sequence[Any]) -> list[torch.Tensor]:
@@ -133,16 +137,16 @@ class KeyNormTrust:
 
     def watched(self, args: Sequence[Any], runnings: Sequence[torch.Tensor]) -> list:
         """Before a call: the running maxima and the past caches (``check_slots`` order)."""
-        return [*runnings, *(args[i] for e in self.entries for i, _ in e.past)]
+        return [*runnings, *[args[i] for i in self._past]]
 
     def kept(self, args: Sequence[Any], out: Any, runnings: Sequence[torch.Tensor]) -> list:
-        """After a call: the running maxima, and per entry its past caches and stored keys."""
-        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        """After a call: the running maxima, the past caches and the stored keys."""
+        if not self._stored:
+            return [*runnings, *[args[i] for i in self._past]]
+        outputs = out if isinstance(out, (tuple, list)) else [out]
         if len(outputs) != self.n_outputs:
             outputs = [None] * self.n_outputs
-        return [*runnings, *(t for e in self.entries
-                             for t in [*(args[i] for i, _ in e.past),
-                                       *(outputs[i] for i in e.outputs)])]
+        return [*runnings, *[args[i] for i in self._past], *[outputs[i] for i in self._stored]]
 
     def before(self, args: Sequence[Any], states: Sequence[Any]) -> int:
         """Re-measure the past caches the running maxima do not cover; returns how many

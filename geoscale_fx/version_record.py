@@ -14,10 +14,10 @@ take their full path every call, which is always correct.
     >>> w = torch.zeros(3)
     >>> record = VersionRecord()
     >>> record.update([w])
-    >>> record.holds([w]), record.holds([torch.zeros(3)])
+    >>> record.holds([w], [0]), record.holds([torch.zeros(3)], [0])
     (True, False)
     >>> _ = w.add_(1.0)
-    >>> record.holds([w])
+    >>> record.holds([w], [0])
     False
 """
 from __future__ import annotations
@@ -63,35 +63,33 @@ class VersionRecord:
     def update(self, tensors: Sequence[Any], start: int = 0) -> None:
         """Record ``tensors`` as they are now; with ``start``, only the slots from ``start``
         on (the caller knows the first ones are unchanged: the same tensors, not written)."""
-        if start and len(self.refs) != len(tensors):
+        n = len(tensors)
+        if not start or len(self.refs) != n:
+            self.refs, self.versions, self.pointers = [_DEAD] * n, [None] * n, [0] * n
             start = 0
-        refs = self.refs[:start]
-        for ref, t in zip(self.refs[start:] + [None] * (len(tensors) - len(self.refs)),
-                          tensors[start:]):
-            refs.append(ref if ref is not None and ref() is t else
-                        weakref.ref(t) if isinstance(t, torch.Tensor) else _DEAD)
-        tail = tensors[start:]
-        self.refs = refs
-        self.versions = self.versions[:start] + [tensor_version(t) for t in tail]
-        self.pointers = self.pointers[:start] + [
-            t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in tail]
-        self.valid = None not in self.versions
+        refs, versions, pointers = self.refs, self.versions, self.pointers
+        for i in range(start, n):
+            t = tensors[i]
+            if refs[i]() is not t:
+                refs[i] = weakref.ref(t) if isinstance(t, torch.Tensor) else _DEAD
+            versions[i] = tensor_version(t)
+            pointers[i] = t.data_ptr() if isinstance(t, torch.Tensor) else 0
+        self.valid = None not in versions
 
-    def holds(self, tensors: Sequence[torch.Tensor], slots: Sequence[int] | None = None
-              ) -> bool:
-        """Whether ``tensors[i]`` is the tensor of slot ``slots[i]`` (default ``i``), with the
-        version and storage it had then."""
-        if not self.valid:
-            return False
-        slots = range(len(tensors)) if slots is None else slots
-        if len(slots) != len(tensors):
+    def holds(self, tensors: Sequence[torch.Tensor], slots: Sequence[int]) -> bool:
+        """Whether ``tensors[i]`` is the tensor of slot ``slots[i]``, with the version and
+        storage it had then."""
+        if not self.valid or len(slots) != len(tensors):
             return False
         refs, versions, pointers = self.refs, self.versions, self.pointers
         try:
-            return all(refs[s]() is t and t._version == versions[s] and
-                       t.data_ptr() == pointers[s] for s, t in zip(slots, tensors))
+            for s, t in zip(slots, tensors):
+                if refs[s]() is not t or t._version != versions[s] or \
+                        t.data_ptr() != pointers[s]:
+                    return False
         except (AttributeError, RuntimeError, IndexError):
             return False
+        return True
 
     def holds_slot(self, slot: int, tensor: Any) -> bool:
         """Whether ``tensor`` is the one of ``slot``, unchanged since."""

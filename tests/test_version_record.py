@@ -1,0 +1,67 @@
+"""``geoscale_fx.version_record``: a record holds exactly while every tensor is the recorded
+object with the recorded version counter and storage; anything else — an in-place write, a
+new object, a swapped storage, a tensor without a version counter — breaks it."""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from geoscale_fx.version_record import VersionRecord, tensor_version
+
+
+def _recorded(*tensors) -> VersionRecord:
+    record = VersionRecord()
+    record.update(list(tensors))
+    return record
+
+
+def test_unchanged_tensors_hold_in_any_slot_order_asked():
+    a, b = torch.zeros(3), torch.ones(2)
+    record = _recorded(a, b)
+    assert record.holds([a, b], [0, 1])
+    assert record.holds([b], [1]) and record.holds([b, a], [1, 0])
+    assert not record.holds([a, b], [1, 0])           # each tensor is checked in its slot
+
+
+def test_an_in_place_write_a_new_object_or_a_swapped_storage_breaks_it():
+    a = torch.zeros(3)
+    record = _recorded(a)
+    a.add_(1.0)
+    assert not record.holds([a], [0])
+    record.update([a])
+    assert record.holds([a], [0])
+    assert not record.holds([a.clone()], [0])         # equal values, another tensor
+    p = torch.nn.Parameter(torch.zeros(3))
+    record.update([p])
+    with torch.no_grad():
+        p.data = torch.ones(3)                       # no write: the storage is replaced
+    assert not record.holds([p], [0])
+
+
+def test_a_freed_tensor_never_matches_its_successor_at_the_same_address():
+    record = _recorded(torch.zeros(4))
+    gc.collect()
+    assert not record.holds([torch.zeros(4)], [0])
+
+
+def test_inference_mode_tensors_and_non_tensors_never_hold():
+    with torch.inference_mode():
+        t = torch.zeros(2)
+    assert tensor_version(t) is None and tensor_version(3) is None
+    record = _recorded(t)
+    assert not record.valid and not record.holds([t], [0])
+    record = _recorded(torch.zeros(1), None)
+    assert not record.holds([record.refs[0]()], [0])
+
+
+def test_a_partial_update_keeps_the_head_and_rereads_the_tail():
+    w, cache = torch.zeros(2), torch.zeros(5)
+    record = _recorded(w, cache)
+    cache[0] = 1.0                                   # the call wrote the cache
+    record.update([w, cache], start=1)
+    assert record.holds([w, cache], [0, 1])
+    new_cache = torch.zeros(5)                        # a DynamicCache's next tensor
+    record.update([w, new_cache], start=1)
+    assert record.holds([new_cache], [1]) and not record.holds([cache], [1])
+    assert not record.holds([w, new_cache], [0])      # slots and tensors must pair up
