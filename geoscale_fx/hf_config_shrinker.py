@@ -6,8 +6,10 @@ its fields' *names* say, never by family, so it covers a model type nobody liste
 * the layer count (``num_hidden_layers`` and any ``num_*layers`` / ``n_*layers`` /
   ``encoder_layers`` / ``decoder_layers``) becomes ``LAYERS``, or more so that one layer of
   each kind survives: a kind is what a layer holds in every per-layer list (``layer_types``,
-  a string named ``*pattern``, a dict of overrides keyed by layer index, whether a
-  ``*layers`` list of indices such as ``moe_layers`` names it), a cycled
+  a string named ``*pattern``, a dict of overrides keyed by layer index, whether a list of
+  layer indices — ``*layers``, ``*_idxs``, ``*_indices``, ``*layer_ids``, such as
+  ``moe_layers`` — names it); a count of some of the layers (``num_kv_shared_layers`` 15 of
+  35) keeps its share, at least one layer and never all; a cycled
   ``*_types`` / ``*pattern`` shorter than the model, or an ``X_period`` / ``X_offset`` pair
   (made to select a layer of those kept);
 * query heads n_q and key/value heads n_kv keep the GQA ratio r = n_q / n_kv:
@@ -17,8 +19,11 @@ its fields' *names* say, never by family, so it covers a model type nobody liste
   sums (MLA's qk_head_dim = qk_nope_head_dim + qk_rope_head_dim);
 * any other width (``*_size``, ``*_dim``, ``*_rank``, ``d_*``) is capped at ``WIDTH`` (one
   equal to the old width becomes d'), any other count (``num_*``, ``n_*``, experts, heads of
-  other kinds) at ``COUNT``, the vocabulary and the context at ``WIDTH``; one cap per kind
-  keeps ``a ≤ b`` between fields of that kind (top-k ≤ experts);
+  other kinds) at ``COUNT``, the vocabularies and the context at ``WIDTH``; one cap per kind
+  keeps ``a ≤ b`` between fields of that kind (top-k ≤ experts); experts that a count of
+  groups (``n_group``, ``topk_group``) split in groups of two or more are raised to a
+  multiple of it with two experts a group at least; a per-layer list of sizes is shrunk
+  entry by entry;
 * special token ids beyond the new vocabulary move to its top, distinct ids staying
   distinct; sub-configs (``text_config``, …) and nested dicts (``rope_parameters``) are
   shrunk the same way.
@@ -54,14 +59,17 @@ WIDTH = 128       # cap of any other width, of the vocabulary and of the context
 COUNT = 4         # cap of any other count (experts, top-k, groups, other heads)
 
 _NOT_WIDTH = re.compile(r"image|patch|kernel|window|chunk|bucket|pixel|sampling")
-_LAYERS = re.compile(r"^(num|n)_(\w+_)?layers$|^(encoder|decoder)_layers$")
+_LAYERS = re.compile(r"^(num|n)_(\w+_)?layers(_per_\w+)?$|^(encoder|decoder)_layers$")
+_LAYER_LIST = re.compile(r"(layers|_idxs|_indices|layer_ids)$")   # a list of layer indices
 _Q_HEADS = re.compile(r"attention_heads$")
 _KV_HEADS = re.compile(r"(kv|key_value)_heads$")
 _PER_HEAD = re.compile(r"head_(dim|size)$|(^|_)d_(head|kv)$|(rotary|rope)\w*_dim$")
-_VOCAB = re.compile(r"vocab_size$")
+_VOCAB = re.compile(r"vocab_size")     # vocab_size, vocab_size_per_layer_input …
 _CONTEXT = re.compile(r"position_embeddings$|positions$|^max_seq(uence)?_len(gth)?$|^n_ctx$")
 _WIDTH = re.compile(r"(_size|_dim|_rank)$|^d_|^n_embd$|^n_inner$")
 _COUNT = re.compile(r"^(num|n)_|experts|_heads$")
+_GROUPS = re.compile(r"groups?$")                # a count of groups (of experts …)
+_EXPERTS = re.compile(r"experts$")
 _TOKEN_ID = re.compile(r"token_(id|ids|index)$")
 _PATTERN = re.compile(r"(_types|pattern)$")     # a per-layer kind, cycled if shorter
 
@@ -124,7 +132,7 @@ def _kept_layers(fields: dict, n_layers: int) -> list[int]:
 def _layer_indices(key: str, value, n_layers: int) -> set[int] | None:
     """The layers a ``*layers`` list of layer indices names (``moe_layers=[0, 1, …]``,
     strictly increasing, inside the model), else None."""
-    if not key.endswith("layers") or not isinstance(value, list) or not value \
+    if not _LAYER_LIST.search(key) or not isinstance(value, list) or not value \
             or not all(_is_int(i) and 0 <= i < n_layers for i in value) \
             or any(a >= b for a, b in zip(value, value[1:])):
         return None
@@ -162,31 +170,61 @@ def _new_token_ids(fields: dict, vocab: int) -> dict:
     return out
 
 
+def _kind(key: str) -> str | None:
+    """What an integer field named ``key`` (its standard name) counts or measures."""
+    kinds = [("layers", _LAYERS), ("kv_heads", _KV_HEADS), ("q_heads", _Q_HEADS),
+             ("fixed", _NOT_WIDTH), ("per_head", _PER_HEAD), ("vocab", _VOCAB),
+             ("vocab", _CONTEXT), ("width", _WIDTH), ("count", _COUNT)]
+    if key in ("num_hidden_layers", "hidden_size"):
+        return {"num_hidden_layers": "layers", "hidden_size": "hidden"}[key]
+    return next((kind for kind, pattern in kinds if pattern.search(key)), None)
+
+
 def _shrunk_int(key: str, value: int, old: _Shape, new: _Shape) -> int:
     """The new value of one integer field named ``key`` (its standard name where the config
     aliases one)."""
-    def named(pattern: re.Pattern) -> bool:
-        return bool(pattern.search(key))
-
-    if key == "num_hidden_layers" or named(_LAYERS):
+    kind = _kind(key)
+    if kind == "layers" and key != "num_hidden_layers" and 0 < value < old.layers:
+        # some of the layers (kv-shared, MTP …): their share, at least one, never all
+        return max(1, min(new.layers - 1, round(value * new.layers / old.layers)))
+    if kind == "layers":
         return min(value, new.layers)
-    if named(_KV_HEADS):
-        return new.n_kv if value == old.n_kv else min(value, COUNT)
-    if named(_Q_HEADS):
-        return new.n_q if value == old.n_q else min(value, COUNT)
-    if key == "hidden_size":
+    if kind in ("kv_heads", "q_heads"):
+        heads = new.n_kv if kind == "kv_heads" else new.n_q
+        return heads if value == (old.n_kv if kind == "kv_heads" else old.n_q) \
+            else min(value, COUNT)
+    if kind == "hidden":
         return new.hidden
-    if named(_NOT_WIDTH):
-        return value
-    if named(_PER_HEAD) and old.d_h:   # one factor for all: nope + rope = qk stays true
+    if kind == "per_head" and old.d_h:   # one factor for all: nope + rope = qk stays true
         return max(2, 2 * round(value * HEAD_DIM / old.d_h / 2))
-    if named(_VOCAB) or named(_CONTEXT):
+    if kind == "vocab":
         return min(value, WIDTH)
-    if named(_WIDTH):
+    if kind == "width":
         return new.hidden if value == old.hidden else min(value, WIDTH)
-    if named(_COUNT):
+    if kind == "count":
         return min(value, COUNT)
     return value
+
+
+def _kept_groups(old: dict, new: dict, standard: dict[str, str]) -> dict:
+    """Counts of experts n that a count of groups g splits in parts of two or more
+    (``n_group`` groups of ``n_routed_experts``; ``topk_group`` of them chosen) are raised so
+    that they still are: n' a multiple of g', n'/g' ≥ 2 (a top-2 within each group stays in
+    range)."""
+    def named(pattern: re.Pattern) -> list[str]:
+        return [k for k, v in old.items() if _is_int(v) and v > 0 and _is_int(new.get(k))
+                and new[k] > 0 and pattern.search(standard.get(k, k))]
+
+    groups, out = named(_GROUPS), {}
+    for whole in named(_EXPERTS):
+        value = new[whole]
+        for part in (g for g in groups if old[whole] % old[g] == 0
+                     and old[whole] >= 2 * old[g]):
+            value = max(value, 2 * new[part])
+            value += -value % new[part]
+        if value != new[whole]:
+            out[whole] = value
+    return out
 
 
 def _shrunk_value(key: str, value, old: _Shape, new: _Shape, kept: list[int]):
@@ -223,6 +261,7 @@ def _shrunk_fields(config) -> dict[str, Any]:
     import transformers
 
     fields = config.to_dict()
+    before = dict(fields)
     standard = _standard_names(config)
     old = _old_shape(fields, standard)
     ratio = old.n_q // old.n_kv if old.n_kv and old.n_q % old.n_kv == 0 else 1
@@ -237,11 +276,13 @@ def _shrunk_fields(config) -> dict[str, Any]:
             fields[key] = _shrunk_fields(sub)
         elif chosen is not None:
             fields[key] = [n for n, i in enumerate(kept) if i in chosen]
-        elif old.layers > len(kept) and len(_sequence(key, value)) == old.layers:
+        elif old.layers and len(_sequence(key, value)) == old.layers:
             picked = [value[i] for i in kept]
-            fields[key] = "".join(picked) if isinstance(value, str) else picked
+            fields[key] = "".join(picked) if isinstance(value, str) else \
+                [_shrunk_value(standard.get(key, key), v, old, new, kept) for v in picked]
         else:
             fields[key] = _shrunk_value(standard.get(key, key), value, old, new, kept)
+    fields.update(_kept_groups(before, fields, standard))
     fields.update(_layer_periods(fields, new.layers))
     vocab = fields.get(next((k for k, s in standard.items() if s == "vocab_size"), "vocab_size"))
     # ids of a composite config index its text model's vocabulary, at most WIDTH now

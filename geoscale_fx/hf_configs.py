@@ -90,7 +90,8 @@ def model_from_config(config, *, device: str | torch.device = "cpu",
 def tiny_model(model_type: str, *, device: str | torch.device = "cpu",
                attn_implementation: str | None = None, seed: int = 0):
     """A random-weight model of ``model_type`` from :func:`tiny_config`, built as a causal
-    LM when transformers has one for it (``is_decoder`` set), else as ``AutoModel``.
+    LM when transformers has one for it (``is_decoder`` set), else as ``AutoModel``; a
+    model with language adapters (``set_default_language``) uses its first language.
 
     Raises ``ValueError`` naming ``model_type`` and the reason when it cannot be built, and
     whether transformers' own default config of it builds (on the meta device).
@@ -102,8 +103,8 @@ def tiny_model(model_type: str, *, device: str | torch.device = "cpu",
             and getattr(config, "is_decoder", None) is False:
         config.is_decoder = True      # encoder families (BERT …) as causal LMs
     try:
-        return model_from_config(config, device=device,
-                                 attn_implementation=attn_implementation, seed=seed)
+        model = model_from_config(config, device=device,
+                                  attn_implementation=attn_implementation, seed=seed)
     except Exception as exc:  # any failure of a family's constructor is reported by name
         default = transformers.AutoConfig.for_model(model_type)
         try:
@@ -113,6 +114,10 @@ def tiny_model(model_type: str, *, device: str | torch.device = "cpu",
             verdict = "its default config does not build either"
         raise ValueError(f"model type {model_type!r}: its shrunk config does not build "
                          f"({type(exc).__name__}: {exc}); {verdict}") from exc
+    languages = list(getattr(config, "languages", None) or [])
+    if hasattr(model, "set_default_language") and languages:
+        model.set_default_language(languages[0])    # X-MOD: one adapter per language
+    return model
 
 
 def token_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 32) -> dict:

@@ -63,7 +63,8 @@ class Block(nn.Module):
     """A configurable self-attention block; each flag selects one surface form."""
 
     def __init__(self, *, norm="layernorm", layout="separate", attn="sdpa", rope=None,
-                 prescale=False, qk_bias=False, gqa=1, partial_rope=False, qk_norm=None):
+                 prescale=False, qk_bias=False, gqa=1, partial_rope=False, qk_norm=None,
+                 broadcast_kv=False):
         super().__init__()
         self.norm = {"layernorm": nn.LayerNorm(D), "rmsnorm": nn.RMSNorm(D),
                      "rms_decomposed": RMSNormDecomposed(D),
@@ -77,6 +78,9 @@ class Block(nn.Module):
         if attn == "multiplied":
             self.register_buffer("causal", torch.ones(64, 64).tril().view(1, 1, 64, 64))
         self.kv_heads = H // gqa
+        # one key/value head left for SDPA to broadcast over the query heads (Falcon's
+        # multi-query attention: no repeat, no enable_gqa)
+        self.broadcast_kv = broadcast_kv
         self.partial_rope = partial_rope
         if layout == "separate":
             self.q = nn.Linear(D, D, bias=qk_bias)
@@ -123,7 +127,7 @@ class Block(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = self._apply_rope(q, k)
-        if self.kv_heads != H:
+        if self.kv_heads != H and not self.broadcast_kv:
             k = k.repeat_interleave(H // self.kv_heads, dim=1)
             v = v.repeat_interleave(H // self.kv_heads, dim=1)
         y = self._attend(q, k, v, B, L)
@@ -299,6 +303,9 @@ VARIANTS = {
     "prescaled_bmm": (block(prescale=True, attn="bmm"), dict(softmax_scale=DH ** -0.5)),
     "rope_rotate_half_gqa": (block(rope="half", gqa=2, norm="rmsnorm"),
                              dict(rope=True, n_kv_heads=H // 2)),
+    # Falcon: k, v of one head (B, 1, L, dh) broadcast by SDPA against H query heads
+    "multi_query_broadcast": (block(gqa=H, broadcast_kv=True, norm="rmsnorm"),
+                              dict(n_kv_heads=1)),
     "rope_interleaved": (block(rope="interleaved", attn="explicit"), dict(rope=True)),
     "rope_partial": (block(rope="half", partial_rope=True), dict(rope=True)),
     "floored_mask": (block(attn="floored"), dict(has_mask=True)),

@@ -56,6 +56,28 @@ def test_scaling_none_equals_eager_on_nanogpt(name, lowering):
     assert {r.plan.lowering for r in compiler.backend.records.values()} == {expected}
 
 
+@pytest.mark.parametrize("lowering", ["auto", "explicit"])
+def test_sdpa_broadcasting_one_key_head_over_the_query_heads(lowering):
+    """Falcon's multi-query attention: SDPA gets k, v of one head (B, 1, L, d_h) and
+    broadcasts them over H query heads, with no enable_gqa. ``none`` answers what eager
+    answers in either lowering; the geometry's audit sees no overflow and its largest scaled
+    logit stays inside η·448."""
+    model = VARIANTS["multi_query_broadcast"][0]().eval()
+    x = 3.0 * torch.randn(B, L, D)
+    compiler = _Compiler()
+    assert_none_scaling_equals_eager(model, x, compiler, lowering=lowering)
+    record, = compiler.backend.records.values()
+    assert record.plan.lowering == ("fused" if lowering == "auto" else "explicit")
+    with torch.no_grad():
+        ref = model(x)
+        compiled, be = _compile(model, audit=True, lowering=lowering)
+        out = compiled(x)
+    record, = be.records.values()
+    assert record.state.overflow_steps.item() == 0
+    assert 0 < record.state.max_scaled.max().item() <= 0.8 * 448 * (1 + 1e-5)
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+
+
 def _independent_scales(model, eta=0.8):
     """bound/(η·448) per head of GPT-2, from the module's weights with explicit matrices."""
     out = []

@@ -99,4 +99,38 @@ def test_head_widths_are_scaled_by_one_factor():
     small = shrink_config(big)
     assert small.qk_head_dim == small.qk_nope_head_dim + small.qk_rope_head_dim
     assert small.qk_head_dim < big.qk_head_dim
-    assert small.num_experts_per_tok <= small.n_routed_experts <= shrinker.COUNT
+    # experts: two per group of the router's n_group groups (at most COUNT)
+    assert small.num_experts_per_tok <= small.n_routed_experts
+    assert small.n_routed_experts <= 2 * shrinker.COUNT < big.n_routed_experts
+
+
+def test_groups_of_experts_keep_two_experts_each():
+    """DeepSeek-V3's router takes the top 2 experts of each of n_group groups, then the best
+    topk_group groups: 256 experts in 8 groups shrink to 4 groups of 2 experts (not 4 groups
+    of 1, where top-2 within a group is out of range), top-k ≤ experts of the groups chosen."""
+    small = shrink_config(transformers.DeepseekV3Config(n_routed_experts=256, n_group=8,
+                                                       topk_group=4, num_experts_per_tok=8))
+    experts, groups = small.n_routed_experts, small.n_group
+    assert experts % groups == 0 and experts // groups >= 2
+    assert small.topk_group <= groups
+    assert small.num_experts_per_tok <= small.topk_group * experts // groups
+
+
+def test_a_list_of_layer_indices_is_known_by_its_name_and_renumbered():
+    """LFM2 names its attention layers ``full_attn_idxs`` (all 32 by default): a list of
+    layer indices, not 32 kinds of layer, so the model shrinks to 2 layers, both attention."""
+    small = shrink_config(transformers.Lfm2Config(num_hidden_layers=32))
+    assert small.num_hidden_layers == shrinker.LAYERS
+    assert small.full_attn_idxs == [0, 1] and small.layer_types == ["full_attention"] * 2
+
+
+def test_a_count_of_some_layers_keeps_its_share():
+    """Gemma-3n shares the keys of its last 15 of 35 layers: shrunk, some layers still make
+    keys and some reuse them (not all shared); per-layer widths and per-layer vocabularies
+    are shrunk as single ones are."""
+    big = _default("gemma3n_text")
+    small = shrink_config(big)
+    assert 0 < small.num_kv_shared_layers < small.num_hidden_layers
+    assert max(small.intermediate_size) <= shrinker.WIDTH
+    assert len(small.intermediate_size) == small.num_hidden_layers
+    assert small.vocab_size_per_layer_input <= shrinker.WIDTH

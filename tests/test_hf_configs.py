@@ -24,6 +24,15 @@ def test_tiny_models_build_and_run(model_type):
     assert all(p.is_meta for p in meta.parameters())
 
 
+def test_a_model_with_language_adapters_answers_in_its_first_language():
+    """X-MOD routes each token through the adapter of an input language and refuses a call
+    without one: the tiny model is set to the config's first language and answers."""
+    model = hf_configs.tiny_model("xmod")
+    assert model.config.default_language == model.config.languages[0]
+    logits = model(**hf_configs.token_inputs(model, seq_len=8)).logits
+    assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()
+
+
 def test_tiny_config_is_the_shrunk_default_with_the_overrides_set_after():
     """Overrides win over the shrunk values; everything else is what shrinking the family's
     default config gives."""
