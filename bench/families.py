@@ -16,7 +16,10 @@ is listed with the reason) and run on random token ids (B=1, T=32). Per family:
   compiling the ``scaling="none"`` wrapper below: ``analyze_graph`` on Dynamo's graphs, what
   ``find_attention`` runs (whose own capture is not repeated, to keep the sweep in 20 min;
   ``tests/test_bench_families.py`` checks the two agree);
-* **silent misses**: observed calls per forward minus sites (an attention no site accounts for);
+* **silent misses**: observed calls per forward minus the sites one forward executes (an
+  attention no site accounts for; a graph that runs for several layers — Dynamo compiles a
+  layer's frame once after a graph break inside it — counts once per run,
+  :func:`sites_per_forward`);
 * **bounds**: ``site_logit_bound(site)`` against the observed ``max|S|`` (SDPA spy, when calls and
   sites pair one to one in execution order), and the audit's ``max_scaled·scale`` against its
   bound (``wrap(audit=True)``, both inputs in one batch of 2), on the random ids and on an
@@ -343,6 +346,35 @@ def backend_sites(wrapped) -> list:
     return sorted((r.site for r in done + skipped), key=lambda s: (s.graph, s.index))
 
 
+def sites_per_forward(model, inputs: dict) -> tuple[int, int]:
+    """Attention sites executed by one forward, and the supported ones among them: each
+    Dynamo graph's sites times the number of times the graph ran (a graph break inside a
+    layer makes Dynamo compile the layer's frame once and run that graph for every layer:
+    one site, several calls)."""
+    from geoscale_fx.passes.analyze import analyze_graph
+
+    graphs: list[list] = []
+
+    def counting(gm, example_inputs):
+        entry = [gm, list(example_inputs), 0]
+        graphs.append(entry)
+
+        def run(*args):
+            entry[2] += 1
+            return gm.forward(*args)
+        return run
+
+    compiled = torch.compile(model, backend=counting, dynamic=False, isolate_recompiles=True)
+    with torch.no_grad():
+        compiled(**inputs)
+    executed = supported = 0
+    for gm, example, runs in graphs:
+        sites = analyze_graph(gm, example)
+        executed += len(sites) * runs
+        supported += sum(s.supported for s in sites) * runs
+    return executed, supported
+
+
 def _audit(row: dict, model, inputs: list[dict]) -> list[float]:
     """The geometry audit on all inputs at once (one batch, one step): observed/bound per
     head; ``row["overflows"]`` set."""
@@ -386,8 +418,11 @@ def _run_family(row: dict, model_type: str) -> None:
             raise
         row["error"] = f"scaling='none' wrapper: {type(exc).__name__}: {_last_line(exc)}"
         sites = geoscale_fx.find_attention(model, **inputs[0])   # the view, without the backend
-    row.update({"sites": len(sites), "supported": sum(s.supported for s in sites),
-                "silent": max(0, len(calls) - len(sites)), "reasons": _reasons(sites)})
+    executed, supported = len(sites), sum(s.supported for s in sites)
+    if executed < len(calls):      # one graph may run for several layers
+        executed, supported = sites_per_forward(model, inputs[0])
+    row.update({"sites": executed, "supported": supported,
+                "silent": max(0, len(calls) - executed), "reasons": _reasons(sites)})
     spied = _spy_ratios(calls, sites) + _spy_ratios(_observe(model, inputs[1])[1], sites)
     _record_ratios(row, spied, [])       # kept if the audit raises
     if any(s.supported for s in sites):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.families import Spy, backend_sites, family_row, summary
+from bench.families import Spy, backend_sites, family_row, sites_per_forward, summary
 
 pytest.importorskip("transformers")
 
@@ -152,3 +152,48 @@ def test_an_unbuildable_family_is_a_row_with_the_reason():
     row = family_row("dbrx", timeout=60)
     assert row["built"] is False and row["error"].startswith("not built: model type 'dbrx'")
     assert row["calls"] is None
+
+
+class _BrokenLayer(torch.nn.Module):
+    """A normalized attention followed by a graph break (X-MOD's language adapter): Dynamo
+    resumes in the next layer's frame, compiles that frame once and runs its graph for every
+    later layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qkv = torch.nn.LayerNorm(16), torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).view(1, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.adapter(x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+                            .reshape(1, 6, 16))
+
+    def adapter(self, h):
+        torch._dynamo.graph_break()
+        return h * 2
+
+
+class _BrokenLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_BrokenLayer() for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_graph_run_for_several_layers_counts_its_sites_once_per_run():
+    """Three observed calls, two sites found (the second graph serves layers 1 and 2): one
+    forward executes three sites, no silent miss."""
+    import geoscale_fx
+
+    torch.manual_seed(0)
+    model, x = _BrokenLayers().eval(), torch.randn(1, 6, 16)
+    spy = Spy()
+    with spy.watching(), torch.no_grad():
+        model(x)
+    assert len(spy.calls) == 3
+    assert len(geoscale_fx.find_attention(model, x)) == 2
+    assert sites_per_forward(model, {"x": x}) == (3, 3)

@@ -194,6 +194,9 @@ def _no_offset_under_dropout(norm: Node, bias, radius_factor: float) -> None:
 
 def _step_back(node, op, d, kinds, ops_after_norm, radius_factor, projection):
     def fail(detail=""):
+        if node.op == "placeholder" and not detail:
+            detail = (": an input of this graph (the caller's tensor, or a value from before "
+                      "a graph break), which no normalization or weight bounds")
         raise Unsupported(f"no normalization before the projection `{projection.name}`: "
                           f"reached `{node.name}` ({op or node.op}){detail}")
 
