@@ -41,8 +41,13 @@ def aten_graph(gm: GraphModule, inputs: Sequence[Any]) -> GraphModule:
     fakes = [_fake(x, fake_mode, context) for x in inputs]
     if any(_symbolic(x) for x in fakes):
         return gm
+    # without make_fx's torch-function metadata mode (``node.meta["torch_fn"]``, which only
+    # export reads): flex_attention traces itself with an inner torch.compile whose backend
+    # wraps the active modes, a new backend per call, so with the mode every fused site
+    # recompiled (4 sites: 4 Dynamo compiles, ~0.1 s each); without it, one per graph
     with fake_mode:
-        traced = make_fx(gm, tracing_mode="symbolic")(*fakes)
+        traced = make_fx(gm, tracing_mode="symbolic", _disable_torch_fn_metadata_mode=True)(
+            *fakes)
     # a plain GraphModule: the traced one also holds the ShapeEnv, which the cache key
     # would hash (a different key on every run)
     return GraphModule(traced, traced.graph)
