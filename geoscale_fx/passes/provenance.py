@@ -165,7 +165,11 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str
             sources.append(node)
         stack.extend(inputs)
     if not frontier:
-        where = f"graph input `{sources[0].name}`" if sources else "no parameterised projection"
+        names = list(dict.fromkeys(n.name for n in sources))
+        where = ("graph input" + ("s " if len(names) > 1 else " ")
+                 + ", ".join(f"`{n}`" for n in names[:4]) + (" …" if len(names) > 4 else "")
+                 + " (the caller's tensors, or values from before a graph break, which no "
+                 "weight bounds)") if names else "no parameterised projection"
         raise Unsupported(f"the {role} `{operand.name}` is not a projection of a normalized "
                           f"input: it comes from {where}")
     return list(frontier.values()), visited, units, assembled
