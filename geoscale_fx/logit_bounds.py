@@ -18,9 +18,9 @@ from typing import Optional, Sequence
 import torch
 
 from geoscale_fx import bounds, relative_rope_bound, spectral
-from geoscale_fx.head_weights import Resolve, site_term_weights
+from geoscale_fx.head_weights import Resolve, side_heads, side_radius, site_term_weights
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
-from geoscale_fx.site_terms import HeadWeights, Modifier, Term
+from geoscale_fx.site_terms import HeadWeights, Modifier, Side, Term
 
 __all__ = ["sigma_bound", "norm_product_bound", "term_logit_bound", "apply_modifiers",
            "site_logit_bound"]
@@ -96,7 +96,8 @@ def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
     * mask, position bias: applied after the quantization, so they leave the bound as is —
       unless a softcap follows, which then sees ``S + bias`` (unbounded) and caps it;
     * softcap ``c·tanh(S/c)``: odd and increasing, ``|c·tanh(S/c)| ≤ min(|S|, c)``;
-    * sink: the softmax also receives the sink logits: ``max(bound, max|sink|)``.
+    * sink: the softmax also receives the sink logits: ``max(bound, max|sink|)`` — for a
+      sink computed from the activations, ``max_f ρ‖A_f‖ + |c_f|`` of its ``Side``.
     """
     kinds = [m.kind for m in modifiers]
     for i, modifier in enumerate(modifiers):
@@ -104,10 +105,23 @@ def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
             bound = torch.full_like(bound, float("inf"))
         elif modifier.kind == "softcap":
             bound = torch.clamp(bound, max=abs(modifier.value))
+        elif modifier.kind == "sink" and modifier.side is not None:
+            bound = torch.maximum(bound, _projected_sink_bound(modifier.side, resolve)
+                                  .to(device=bound.device, dtype=bound.dtype))
         elif modifier.kind == "sink":
             sink = resolve(modifier.param).detach().abs().amax().to(bound.dtype)
             bound = torch.maximum(bound, sink.to(bound.device))
     return bound
+
+
+def _projected_sink_bound(side: Side, resolve: Resolve) -> torch.Tensor:
+    """``max_f ρ‖A_f‖ + |c_f|`` (float64): every sink logit ``A_fᵀx̂ + c_f`` with ``‖x̂‖ ≤ ρ``."""
+    a, c = side_heads(side, resolve)                                 # (F, d, 1), (F, 1)
+    rho = side_radius(side, resolve)
+    bound = rho * torch.linalg.vector_norm(a.detach().double(), dim=(-2, -1))
+    if c is not None:
+        bound = bound + c.detach().double().abs().reshape(-1)
+    return bound.amax()
 
 
 def site_logit_bound(site: AttentionSite, rope_bound: Optional[str] = None,

@@ -111,14 +111,17 @@ class AttentionSite:
 
     @property
     def param_names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(n for t in self.terms for s in (t.q, t.k)
-                                   for n in s.param_names))
+        sides = [s for t in self.terms for s in (t.q, t.k)]
+        sides += [m.side for m in self.modifiers if m.side is not None]
+        return tuple(dict.fromkeys(n for s in sides for n in s.param_names))
 
     @property
     def weight_nodes(self) -> tuple[str, ...]:
         """Every graph node the bound reads (weights, biases, gains), in a stable order."""
         terms = [n for t in self.terms for n in t.node_names]
-        return tuple(dict.fromkeys(terms + [m.param for m in self.modifiers if m.param]))
+        sinks = [n for m in self.modifiers if m.side is not None for n in m.side.node_names]
+        return tuple(dict.fromkeys(terms + [m.param for m in self.modifiers if m.param]
+                                   + sinks))
 
     @property
     def operand_nodes(self) -> tuple[str, ...]:

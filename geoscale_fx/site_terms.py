@@ -32,7 +32,8 @@ __all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "MODIF
 #: ``baddbmm``'s β·bias) are applied after the quantization and never widen its range
 #: (before a softcap they make the capped value's bound just ``c``);
 #: "softcap" (``c · tanh(S / c)``: the softmax input is bounded by ``c``);
-#: "sink" (a learned per-head logit joined to the scores: the bound covers ``|sink|``).
+#: "sink" (a logit per head joined to the scores — a learned parameter, or a projection of a
+#: bounded input: the bound covers ``|sink|``).
 MODIFIER_KINDS = ("mask", "position_bias", "softcap", "sink")
 
 
@@ -234,6 +235,9 @@ class Modifier:
     node: str
     value: float = float("nan")      # softcap: c; position_bias: β
     param: Optional[str] = None      # sink: the node holding the sink logits (parameters)
+    #: a sink computed from the activations: a projection of a bounded source, one width-1
+    #: head per output feature, ``|sink_f| ≤ ρ‖A_f‖ + |c_f|`` (``passes.sink_bound``)
+    side: Optional[Side] = None
 
 
 @dataclass(frozen=True)

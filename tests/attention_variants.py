@@ -284,6 +284,60 @@ class PaddingMasked(nn.Module):
         return self.block(h)
 
 
+class L2Clip(nn.Module):
+    """Inkling-2's ``ScaledL2Clip``: ``h = x ⊙ g`` (a per-head gain, or none), then
+    ``h·min(1, t/(‖h‖+ε))`` spelled ``style`` ("clamp": ``.clamp(max=1)``, "clamp_max",
+    "function": ``torch.clamp(r, None, 1)``; "floored": ``clamp(min=0.5, max=1)``, which does
+    not bound ``‖h‖`` — the negative twin)."""
+
+    def __init__(self, t, heads=None, style="clamp"):
+        super().__init__()
+        self.t, self.style = t, style
+        self.scale = nn.Parameter(torch.ones(heads, DH)) if heads else None
+
+    def forward(self, h):
+        dtype, h = h.dtype, h.float()
+        if self.scale is not None:
+            h = h * self.scale.float()
+        r = self.t / (torch.linalg.vector_norm(h, dim=-1, keepdim=True) + 1e-6)
+        r = {"clamp": lambda: r.clamp(max=1.0), "clamp_max": lambda: torch.clamp_max(r, 1.0),
+             "function": lambda: torch.clamp(r, None, 1.0),
+             "floored": lambda: r.clamp(min=0.5, max=1.0)}[self.style]()
+        return (h * r).to(dtype)
+
+
+class ClippedConvKey(nn.Module):
+    """Inkling-2: q = L2Clip(q_proj(x)) and k = L2Clip(conv(k_proj(x))) per head, so
+    ‖q_h‖, ‖k_h‖ ≤ t whatever the short causal convolution on k did; optionally a sink
+    logit per query and head computed from the normalized input (``sink_proj(x)``) joined
+    to the scores; ``sink="raw"`` reads the un-normalized input instead (negative twin)."""
+
+    def __init__(self, t=3.0, style="clamp", sink=None):
+        super().__init__()
+        self.norm = nn.RMSNorm(D)
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.conv = nn.Conv1d(D, D, 3, groups=D, padding=2, bias=False)
+        self.q_clip, self.k_clip = L2Clip(t, H, style), L2Clip(t, None, style)
+        self.sink_kind = sink
+        self.sink = nn.Linear(D, H) if sink else None
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        h = self.norm(x)
+        k = self.conv(self.k(h).transpose(1, 2))[..., :L].transpose(1, 2)     # (B, L, D)
+        q = self.q_clip(self.q(h).view(B, L, H, DH)).transpose(1, 2)         # (B, H, L, dh)
+        k = self.k_clip(k.view(B, L, H, DH)).transpose(1, 2)
+        v = self.v(h).view(B, L, H, DH).transpose(1, 2)
+        s = q @ k.transpose(-1, -2) * DH ** -0.5
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        if self.sink is None:
+            return (F.softmax(s, -1) @ v).transpose(1, 2).reshape(B, L, D)
+        sinks = self.sink(x if self.sink_kind == "raw" else h)                 # (B, L, H)
+        s = torch.cat([s, sinks.transpose(1, 2).unsqueeze(-1)], dim=-1)      # (B, H, L, L+1)
+        p = F.softmax(s.float(), dim=-1)[..., :-1]
+        return (p @ v).transpose(1, 2).reshape(B, L, D)
+
+
 def block(**kw):
     return lambda: Block(**kw)
 
@@ -322,4 +376,11 @@ VARIANTS = {
     "embedding_gather": (EmbeddedTokens, dict(norm="bounded")),
     "embedding_projection": (EmbeddingProjection, dict(norm="bounded")),
     "padding_mask": (PaddingMasked, dict(norm="bounded")),
+    # Inkling-2: L2-clipped q and k (a short convolution on k), ‖q_h‖, ‖k_h‖ ≤ t
+    "l2_clip_conv_key": (ClippedConvKey, dict(norm="l2clip", model_dim=DH)),
+    "l2_clip_function": (lambda: ClippedConvKey(style="function"),
+                         dict(norm="l2clip", model_dim=DH)),
+    # ... and a sink logit per query and head projected from the normalized input
+    "projected_sink": (lambda: ClippedConvKey(sink="normalized"),
+                       dict(norm="l2clip", model_dim=DH)),
 }

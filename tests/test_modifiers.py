@@ -267,3 +267,103 @@ def test_a_router_softmax_over_a_projection_is_not_attention():
             return torch.softmax(self.gate(h), dim=-1)
 
     assert geoscale_fx.find_attention(Router(), torch.randn(2, 5, 16)) == []
+
+
+# --------------------------------------------------------------------------------------
+# Inkling-2: L2-clipped q/k (a conv on k) and a sink logit projected from the input
+# --------------------------------------------------------------------------------------
+
+def _clipped(sink=None, style="clamp", inflate=50.0):
+    from tests.attention_variants import ClippedConvKey
+
+    torch.manual_seed(0)
+    model = ClippedConvKey(t=3.0, style=style, sink=sink).eval()
+    with torch.no_grad():          # gains and weights far past the clip: ‖q_h‖ = ‖k_h‖ = t
+        for p in (model.q.weight, model.k.weight, model.conv.weight, model.q_clip.scale):
+            p.mul_(inflate)
+        if model.sink is not None:
+            model.sink.weight.mul_(inflate)
+            model.sink.bias.copy_(torch.tensor([0.0, -7.0, 2.0, 40.0]))
+    return model
+
+
+def _observed_logits(model, x):
+    """max |s·q·kᵀ| and max |sink| recomputed in float64 from the module's own parts."""
+    from tests.attention_variants import DH, H
+
+    with torch.no_grad():
+        return _recomputed(model, x, DH, H)
+
+
+def _recomputed(model, x, DH, H):
+    model = model.double()
+    x = x.double()
+    B, L, _ = x.shape
+    h = model.norm(x)
+    k = model.conv(model.k(h).transpose(1, 2))[..., :L].transpose(1, 2)
+    q = model.q_clip(model.q(h).view(B, L, H, DH)).transpose(1, 2)
+    k = model.k_clip(k.view(B, L, H, DH)).transpose(1, 2)
+    s = (q @ k.transpose(-1, -2) * DH ** -0.5).abs().amax(dim=(0, 2, 3))
+    sink = model.sink(h).abs().amax() if model.sink is not None else None
+    model.float()
+    return s, sink
+
+
+def test_l2_clipped_q_and_k_are_sources_of_radius_t_and_the_bound_is_s_t_squared():
+    model = _clipped()
+    x = 4.0 * torch.randn(2, 10, 64)
+    site, = geoscale_fx.find_attention(model, x)
+    assert site.supported, site.reason
+    assert (site.q.source.norm, site.k.source.norm) == ("l2clip", "l2clip")
+    assert site.q.weight is None and site.k.weight is None        # identity sides
+    assert site.q.radius == pytest.approx(3.0) and site.k.radius == pytest.approx(3.0)
+    bound = site_logit_bound(site)
+    torch.testing.assert_close(bound, torch.full((4,), 9.0 / 4, dtype=torch.float64))
+    observed, _ = _observed_logits(model, x)
+    assert bool((observed <= bound * (1 + 1e-6)).all())
+    assert float(observed.max()) > 0.25 * 9.0 / 4          # inflated: q, k sit at radius t
+
+
+def test_a_clip_with_a_positive_floor_bounds_nothing_and_is_refused():
+    site, = geoscale_fx.find_attention(_clipped(style="floored"), torch.randn(2, 6, 64))
+    assert not site.supported
+    assert "mul of the query/key" in site.reason, site.reason      # names the clip's mul
+
+
+def test_a_projected_sink_is_bounded_by_rho_times_row_norms_plus_bias():
+    model = _clipped(sink="normalized")
+    x = 4.0 * torch.randn(2, 10, 64)
+    site, = geoscale_fx.find_attention(model, x)
+    assert site.supported, site.reason
+    sink, = [m for m in site.modifiers if m.kind == "sink"]
+    assert sink.param is None and sink.side is not None
+    # independent: |w_fᵀ(g ⊙ x̂) + b_f| ≤ √d·‖g ⊙ w_f‖ + |b_f|, ‖x̂‖ ≤ √d (RMSNorm)
+    w, b, g = (p.detach().double() for p in (model.sink.weight, model.sink.bias,
+                                             model.norm.weight))
+    expected = (64 ** 0.5 * torch.linalg.vector_norm(w * g, dim=1) + b.abs()).max()
+    bound = site_logit_bound(site)
+    torch.testing.assert_close(bound, torch.clamp(torch.full((4,), 9.0 / 4, dtype=torch.float64),
+                                                  min=float(expected)))
+    _, observed_sink = _observed_logits(model, x)
+    assert float(observed_sink) <= float(expected)
+    assert "sink_proj" not in site.weight_nodes and any("sink" in n for n in site.param_names)
+
+
+def test_a_sink_projected_from_an_unnormalized_input_is_refused_naming_it():
+    site, = geoscale_fx.find_attention(_clipped(sink="raw"), torch.randn(2, 6, 64))
+    assert not site.supported
+    assert "sink logits" in site.reason and "unbounded input" in site.reason, site.reason
+
+
+def test_projected_sink_site_none_equals_eager_and_geometry_never_overflows():
+    model = _clipped(sink="normalized")
+    x = 4.0 * torch.randn(2, 6, 64)
+    assert_none_scaling_equals_eager(model, x, compiler="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        fp8 = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
+        fp8(x)
+    record, = fp8.geoscale.records.values()
+    assert counters["geoscale"]["modifier_sink"] == 1
+    assert record.state.overflow_steps.item() == 0

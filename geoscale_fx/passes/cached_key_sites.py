@@ -110,4 +110,4 @@ def analyze_cached_keys(cand: Candidate, kinds: ValueKinds, q_trace: OperandTrac
                   observed_axes=axes, observed_past=sources.past if sources else (),
                   observed_fresh=sources.fresh if sources else ())
     return site_fields(cand, [Term(q_side, k_side)], q_rows.gain, q_track.shape[-2], length,
-                       q_rows.head_of_row)
+                       q_rows.head_of_row, kinds=kinds)

@@ -207,15 +207,21 @@ def _keeps_score_dims(node: Node) -> bool:
 
 def _through_sink(node: Node, kinds: ValueKinds, cand: CandidateDraft, depth: int
                   ) -> Optional[Node]:
-    """Attention sinks: ``cat([S, sink], -1)`` with a parameter-only ``sink`` column."""
+    """Attention sinks: ``cat([S, sink], -1)`` with a parameter-only ``sink`` column, or one
+    logit per query computed from the activations (width 1: the analysis bounds it, or
+    refuses the site naming it, ``passes.sink_bound``)."""
     parts, dim = arg(node, 0, "tensors"), arg(node, 1, "dim", 0)
     if dim not in (-1, len(shape_of(node) or ()) - 1) or len(parts) != 2:
         return None
     scores, sink = parts
-    if not (isinstance(sink, Node) and kinds.is_param(sink)):
+    if not isinstance(sink, Node):
         return None
-    sink = _value_source(sink)     # the sinks parameter itself (max|·| is unchanged by views)
+    if kinds.is_param(sink):
+        sink = _value_source(sink)  # the sinks parameter itself (max|·| is unchanged by views)
+    elif not (kinds.is_activation(sink) and (shape_of(sink) or (0,))[-1] == 1):
+        sink = None
     if sink is None:
+        cand.roles.setdefault("blocker", node)
         return None
     trial = CandidateDraft("explicit", cand.node, scale=cand.scale)
     found = _walk_scores(scores, kinds, trial, depth + 1)

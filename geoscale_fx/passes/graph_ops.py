@@ -49,6 +49,9 @@ _FUNCTIONS: dict[Any, str] = {
     torch._transformer_encoder_layer_fwd: "encoder_layer",
     torch.where: "where", torch.masked_fill: "masked_fill", torch.full: "full",
     torch.clone: "clone", torch.detach: "detach",
+    torch.clamp: "clamp", torch.clip: "clamp", torch.clamp_max: "clamp_max",
+    torch.minimum: "minimum", torch.min: "min",
+    torch.linalg.vector_norm: "vector_norm", torch.norm: "norm",
 }
 
 _METHODS: dict[str, str] = {
@@ -70,6 +73,8 @@ _METHODS: dict[str, str] = {
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
     "pow": "pow", "square": "square", "maximum": "maximum", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
     "to_local": "to_local", "redistribute": "redistribute", "full_tensor": "full_tensor",
+    "clamp": "clamp", "clip": "clamp", "clamp_max": "clamp_max", "minimum": "minimum",
+    "min": "min", "norm": "norm",
 }
 
 try:  # tensor parallelism: DTensor's constructor from a local tensor (passes/dtensor.py)

@@ -2,7 +2,8 @@
 
 ``trace_operand`` finds the single projection ``P = x W (+ b)`` feeding a query or key operand
 and replays the path in between (``index_replay.replay``), a normalization after the projection
-(QK-norm) included as one unit; ``normalization.trace_normalized_input`` walks from ``x`` back
+(QK-norm) included as one unit; an L2 clip bounds its output whatever it reads, so the walk
+stops there: its features are numbered from the tensor the clip's input is a view of; ``normalization.trace_normalized_input`` walks from ``x`` back
 to the normalization that bounds it; ``head_rows`` turns the operand's index tensors into
 per-head feature lists. All failures raise ``Unsupported`` naming the node.
 """
@@ -22,12 +23,13 @@ from geoscale_fx.passes.index_replay import (
     RotaryTerm, Track, Unsupported, replay, trig_origin,
 )
 from geoscale_fx.passes.normalization import (
-    VIEWS, NormalizedInput, norm_input, same_value, strip_casts, trace_normalized_input,
+    VIEWS, NormalizedInput, keeps_last_dim, norm_input, same_value, strip_casts,
+    trace_normalized_input,
 )
 from geoscale_fx.passes.replay_records import ReplayRecords
 
 __all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
-           "trace_normalized_input", "head_rows", "HeadRows"]
+           "trace_normalized_input", "head_rows", "HeadRows", "projection_at"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,10 @@ class ProjectionOp:
     """``root = x @ W (+ bias)``: the node whose output features the trackers index."""
     root: Node
     x: Node
-    weight: Node
-    layout: str                   # "linear": W (F, d);  "dense": W (d, F)
+    weight: Optional[Node]
+    #: "linear": W (F, d);  "dense": W (d, F);  "identity": no weight — ``root`` is what an
+    #: L2 clip reads (through views), numbered as a projection's output would be
+    layout: str
     bias: Optional[Node]
     #: a low-rank chain ``linear(linear(x, A), B)`` (a LoRA adapter): W = B·A, ``inner`` = A
     inner: Optional[Node] = None
@@ -99,6 +103,11 @@ def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
     return None
 
 
+def projection_at(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
+    """``node`` as a projection ``x W (+ b)`` of an activation by parameters, or None."""
+    return _weight_of(node, kinds)
+
+
 @dataclass(frozen=True)
 class NormUnit:
     """A normalization after the projection (QK-norm): ``end`` is its last per-channel op."""
@@ -122,7 +131,7 @@ def _norm_unit(node: Node, kinds: ValueKinds, unit_id: int) -> Optional[NormUnit
         return None
     if any(isinstance(v, Node) and _trig_table(v) for _, v in norm.channel_ops):
         return None
-    source = norm_input(norm.node)
+    source = norm_input(norm.node, kinds)
     if source is None or not kinds.is_activation(source):
         return None
     return NormUnit(unit_id, node, source, norm)
@@ -153,7 +162,11 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str
         unit = _norm_unit(node, kinds, len(units) + 1)
         if unit is not None:   # jump over the normalization's internals
             units[node] = unit
-            stack.append(unit.input)
+            if unit.norm.norm == "l2clip":   # ‖clip‖ ≤ t whatever it reads: stop here
+                root = _view_chain_start(unit.input, visited)
+                frontier[root] = ProjectionOp(root, root, None, "identity", None)
+            else:
+                stack.append(unit.input)
             continue
         writes = assembled_writes(node)
         if writes is not None:  # ``new_empty`` + ``copy_`` into slices: what was written
@@ -173,6 +186,22 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str
         raise Unsupported(f"the {role} `{operand.name}` is not a projection of a normalized "
                           f"input: it comes from {where}")
     return list(frontier.values()), visited, units, assembled
+
+
+def _view_chain_start(node: Node, visited: set) -> Node:
+    """The first tensor behind ``node`` through casts and views only (each added to
+    ``visited``): the heads of a clipped ``(B, L, H, d_h)`` tensor are told apart by the
+    features of the ``(B, L, H·d_h)`` tensor it is a view of."""
+    for _ in range(32):
+        visited.add(node)
+        op = op_of(node)
+        src = node.args[0] if node.args else None
+        through = op in VALUE_CASTS or op in ("view", "reshape", "flatten") or \
+            (op in VIEWS and keeps_last_dim(node, op))      # never tokens into the features
+        if not isinstance(src, Node) or not through or not isinstance(shape_of(src), tuple):
+            return node
+        node = src
+    return node
 
 
 def assembled_writes(node: Node) -> Optional[list[tuple[int, int, Node, Node]]]:

@@ -11,17 +11,20 @@ from __future__ import annotations
 import math
 
 from geoscale_fx.passes.candidate import Candidate
+from geoscale_fx.passes.graph_ops import ValueKinds
 from geoscale_fx.passes.head_mapping import score_head_period
 from geoscale_fx.passes.index_track import Unsupported
+from geoscale_fx.passes.sink_bound import sink_side
 from geoscale_fx.site_terms import Modifier, Term
 
 __all__ = ["site_fields"]
 
 
 def site_fields(cand: Candidate, terms: list[Term], gain, q_len, kv_len, head_of_row,
-                head_dim: int | None = None) -> dict:
+                head_dim: int | None = None, kinds: ValueKinds | None = None) -> dict:
     """Keyword arguments of ``AttentionSite`` for a supported site (``head_of_row``: the
-    query head of each leading index of the scores)."""
+    query head of each leading index of the scores; ``kinds``: to bound a sink computed
+    from the activations)."""
     if not math.isfinite(cand.scale):
         raise Unsupported(f"`{cand.node.name}`: the softmax scale is not a compile-time constant")
     score_heads, score_lead = score_head_period(head_of_row)
@@ -31,7 +34,18 @@ def site_fields(cand: Candidate, terms: list[Term], gain, q_len, kv_len, head_of
         softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
         has_mask=cand.has_mask, dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len,
         terms=tuple(terms),
-        modifiers=tuple(Modifier(kind, node.name, value,
-                                 param=node.name if kind == "sink" else None)
+        modifiers=tuple(_modifier(cand, kind, node, value, kinds)
                         for kind, node, value in cand.modifiers),
         score_heads=score_heads, score_lead=score_lead)
+
+
+def _modifier(cand: Candidate, kind: str, node, value, kinds) -> Modifier:
+    """A sink is a parameter (placeholder) or a projection of a bounded input."""
+    if kind != "sink":
+        return Modifier(kind, node.name, value)
+    if node.op == "placeholder":
+        return Modifier(kind, node.name, value, param=node.name)
+    if kinds is None:
+        raise Unsupported(f"`{cand.node.name}`: the sink logits `{node.name}` are computed "
+                          "from the activations, which this attention form does not bound")
+    return Modifier(kind, node.name, value, side=sink_side(node, kinds))

@@ -73,7 +73,8 @@ def analyze_operands(cand: Candidate, kinds: ValueKinds, evaluator, order) -> di
         terms += [Term(q, k) for q in q_sides for k in k_sides]
     terms, shard = _localize(cand, terms, q_track.shape[-1], order.by_name)
     fields = site_fields(cand, terms, q_rows.gain * k_rows.gain, q_track.shape[-2],
-                         k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1])
+                         k_track.shape[-2], q_rows.head_of_row, head_dim=q_track.shape[-1],
+                         kinds=kinds)
     value = value_side(cand, kinds, evaluator, order) if shard is None else \
         {"value_reason": "tensor parallel: the values' bound per local shard is not derived"}
     return {**fields, **value, "shard": shard}
