@@ -224,7 +224,7 @@ class GeoscaleBackend:
             fused = any(p.lowering == "fused" for p in variant_plans)
             return lambda: self._compile(rewrite(gm, variant_plans, names),
                                          list(example_inputs) + _static(tensors), fused,
-                                         inference=not training)
+                                         rewritten=True, training=training)
 
         if self.options.scaling == "geometry" and not training:
             variants = {"reuse": build([reuse_variant(p) for p in plans])}
@@ -234,7 +234,10 @@ class GeoscaleBackend:
             variants["burn_in"] = build([burn_in_variant(p) for p in plans])
         return variants
 
-    def _compile(self, gm: GraphModule, inputs: list, fused: bool, inference: bool = False):
+    def _compile(self, gm: GraphModule, inputs: list, fused: bool, rewritten: bool = False,
+                 training: bool = False):
+        """``gm`` compiled; a ``rewritten`` one through its ATen trace (``passes.aten_trace``,
+        above autograd for ``training``) so that AOTAutograd's cache can key it."""
         compiler = self.options.compiler
         if compiler == "eager":
             return gm.forward
@@ -249,15 +252,16 @@ class GeoscaleBackend:
         patches = {"size_asserts": False}
         if fused:
             patches["epilogue_fusion"] = False
-        traced = aten_graph(gm, inputs) if inference else gm
-        if traced is not gm:    # ATen operators only: AOTAutograd's cache can key the graph
-            try:
-                return compile_fx(traced, inputs, config_patches=patches)
+        if rewritten:
+            try:   # ATen operators only: AOTAutograd's cache can key the graph
+                traced = aten_graph(gm, inputs, training)
+                if traced is not gm:
+                    return compile_fx(traced, inputs, config_patches=patches)
             except Exception as exc:   # the trace only saves compile time: never lose the graph
                 counters["geoscale"]["aten_trace_fallbacks"] += 1
                 log.info("geoscale: the ATen trace of a graph did not compile (%s: %s); "
                          "compiling the rewritten graph as it is", type(exc).__name__,
-                         str(exc).splitlines()[0][:200])
+                         (str(exc).splitlines() or [""])[0][:200])
         return compile_fx(gm, inputs, config_patches=patches)
 
     # ---- auto-α -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A rewritten inference graph as ATen operators, so that Inductor's caches can key it.
+"""A rewritten graph as ATen operators, so that Inductor's caches can key it.
 
 The rewrite calls each site's program (``passes.rewrite.make_program``), a Python function
 made for that site. AOTAutograd's cache refuses a graph whose ``call_function`` targets it
@@ -10,11 +10,14 @@ fake tensors Dynamo gave its inputs (the same shapes and symbols; the scaling st
 so that what AOTAutograd receives is made of ATen operators and higher-order operators
 (flex_attention) only, which its cache keys by value.
 
-Inference graphs with static shapes only: ``make_fx`` records the operators below autograd,
-so a ``no_grad`` region of a training graph could not be told apart afterwards; with
-symbolic shapes it records ``view``s whose legality depends on strides. Tensor-subclass
-inputs (DTensor) and graphs compiled outside Dynamo's compile (no fake inputs to trace with)
-are returned unchanged too.
+A training graph is traced with ``pre_dispatch=True``: above autograd, so what AOTAutograd
+differentiates afterwards is the same autograd-level computation (``detach``, grad-mode
+changes as ``torch._C._set_grad_enabled`` nodes), and the joint graph, its partition and
+the backward are those of the untraced graph. An inference graph is traced below autograd
+(no gradient to keep). Graphs with symbolic shapes are returned unchanged: the trace
+records ``view``s whose legality depends on strides. Tensor-subclass inputs (DTensor) and
+graphs compiled outside Dynamo's compile (no fake inputs to trace with) are returned
+unchanged too.
 """
 from __future__ import annotations
 
@@ -28,10 +31,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 __all__ = ["aten_graph"]
 
 
-def aten_graph(gm: GraphModule, inputs: Sequence[Any]) -> GraphModule:
+def aten_graph(gm: GraphModule, inputs: Sequence[Any], training: bool = False) -> GraphModule:
     """``gm`` traced to ATen operators on the fakes of ``inputs`` (``gm`` itself when it
-    cannot be: module docstring). The result takes the same inputs and returns the same
-    outputs."""
+    cannot be: module docstring); ``training``: above autograd (pre-dispatch). The result
+    takes the same inputs and returns the same outputs."""
     context = torch._guards.TracingContext.try_get()
     if context is None or context.fake_mode is None or any(
             isinstance(x, torch.Tensor) and type(x) not in (torch.Tensor, torch.nn.Parameter,
@@ -46,8 +49,8 @@ def aten_graph(gm: GraphModule, inputs: Sequence[Any]) -> GraphModule:
     # wraps the active modes, a new backend per call, so with the mode every fused site
     # recompiled (4 sites: 4 Dynamo compiles, ~0.1 s each); without it, one per graph
     with fake_mode:
-        traced = make_fx(gm, tracing_mode="symbolic", _disable_torch_fn_metadata_mode=True)(
-            *fakes)
+        traced = make_fx(gm, tracing_mode="symbolic", pre_dispatch=training,
+                         _disable_torch_fn_metadata_mode=True)(*fakes)
     # a plain GraphModule: the traced one also holds the ShapeEnv, which the cache key
     # would hash (a different key on every run)
     return GraphModule(traced, traced.graph)
