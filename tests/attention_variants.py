@@ -203,6 +203,13 @@ class QueryIsInput(nn.Module):
         return F.softmax(h @ h.transpose(-2, -1), dim=-1) @ h
 
 
+class RawQueryIsInput(nn.Module):
+    """softmax(x xᵀ) x on the raw input: no projection and nothing bounds the query."""
+
+    def forward(self, x):
+        return F.softmax(x @ x.transpose(-2, -1), dim=-1) @ x
+
+
 class KVCache(nn.Module):
     """Keys concatenated with a cache passed in by the caller."""
 
@@ -338,6 +345,49 @@ class ClippedConvKey(nn.Module):
         return (p @ v).transpose(1, 2).reshape(B, L, D)
 
 
+class LearnedQueryPooling(nn.Module):
+    """Attention pooling with learned queries (Inkling-2's block attention residual, split
+    into heads): the queries are a parameter and the keys/values the RMSNorm'd input, neither
+    projected — ‖q_h‖ ≤ max_r ‖w_r‖, ‖k_h‖ ≤ √D·max|g|. ``keys="raw"`` attends over the input
+    times the norm's gain, without the normalization: nothing bounds it (the negative twin;
+    the bare input would be keys passed in, bounded by their observed norms)."""
+
+    def __init__(self, keys="normalized", queries=2):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(queries, D))
+        self.norm = nn.RMSNorm(D)
+        self.keys = keys
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        h = self.norm(x) if self.keys == "normalized" else x * self.norm.weight
+        kv = h.view(B, L, H, DH).transpose(1, 2)                              # (B, H, L, dh)
+        q = self.query.view(-1, H, DH).transpose(0, 1).expand(B, -1, -1, -1)  # (B, H, nq, dh)
+        out = F.scaled_dot_product_attention(q, kv, kv)                       # (B, H, nq, dh)
+        return out.transpose(1, 2).reshape(B, -1, D)                          # (B, nq, D)
+
+
+class StackedStatesPooling(nn.Module):
+    """Inkling-2's form itself: every position attends over its stack of states with one
+    learned query shared by all positions (the batch dims of SDPA are (B, L), the keys an
+    unweighted RMSNorm written out)."""
+
+    N = 4
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(D // self.N))
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        stacked = x.view(B, L, self.N, D // self.N).float()                  # (B, L, n, d)
+        stacked = stacked * torch.rsqrt(stacked.pow(2).mean(-1, keepdim=True) + 1e-6)
+        d = stacked.shape[-1]
+        q = self.query.float().view(-1, d).expand(B, L, -1, -1)               # (B, L, 1, d)
+        out = F.scaled_dot_product_attention(q, stacked, stacked, scale=d ** -0.5)
+        return out.reshape(B, L, d)
+
+
 def block(**kw):
     return lambda: Block(**kw)
 
@@ -383,4 +433,10 @@ VARIANTS = {
     # ... and a sink logit per query and head projected from the normalized input
     "projected_sink": (lambda: ClippedConvKey(sink="normalized"),
                        dict(norm="l2clip", model_dim=DH)),
+    # no projection at all: a learned query over RMSNorm'd keys, each head a slice of them
+    "learned_query_pooling": (LearnedQueryPooling,
+                              dict(norm="bounded", n_kv_heads=H)),
+    "stacked_states_pooling": (StackedStatesPooling,
+                               dict(norm="bounded", n_q_heads=1, n_kv_heads=1,
+                                    model_dim=DH)),
 }

@@ -84,3 +84,27 @@ def test_amax_bounds_hold_against_optimized_inputs(family, impl, capsys):
     with capsys.disabled():
         print(f"\n{family}/{impl}: worst observed/bound of max|entry|: "
               f"{ {r: round(v, 3) for r, v in worst.items()} }")
+
+
+def test_amax_of_identity_sides_is_the_radius_times_the_gain():
+    """A learned query (rows of w) over RMSNorm'd keys and values: every entry of q is at most
+    max_r ‖w_r‖, of k and v at most √D·max_{i∈h}|g_i| (A_h = diag(g) on the head's channels),
+    and the tensors SDPA receives stay below."""
+    from tests.attention_variants import DH, H, LearnedQueryPooling
+
+    torch.manual_seed(0)
+    model = LearnedQueryPooling().eval()
+    checks.scale_up_gains_and_biases(model)
+    graph = capture_graphs(model, torch.randn(2, 12, 64))[0]
+    site, = analyze_graph(graph.gm, graph.example_inputs)
+    bound = site_amax_bounds(site)
+    rho_q = torch.linalg.vector_norm(model.query.detach().double(), dim=-1).max()
+    g = model.norm.weight.detach().double().reshape(H, DH).abs().amax(dim=-1)
+    torch.testing.assert_close(bound["q"], rho_q.expand(H), rtol=1e-12, atol=0)
+    torch.testing.assert_close(bound["k"], 64 ** 0.5 * g, rtol=1e-12, atol=0)
+    torch.testing.assert_close(bound["v"], bound["k"], rtol=0, atol=0)
+    inputs = list(graph.example_inputs)
+    values = checks.record(graph.gm, inputs)
+    for role, (node, _) in _operands(graph.gm, site).items():
+        observed = _per_head_amax(values[node.name].double(), H)
+        assert (observed <= bound[role] * (1 + 1e-6)).all(), role

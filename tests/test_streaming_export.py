@@ -225,8 +225,15 @@ def test_arguments_of_the_other_route_are_refused(tmp_path):
 
 
 def test_unbounded_attention_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
-    """OLMo2 normalizes after the projections: its values read the raw residual stream, so
-    v has no bound (as in memory); the refusal comes from the trace alone."""
+    """OLMo2 normalizes after the projections: its values read the residual stream, which is
+    bounded only by value (the embedding table plus every block's output norm,
+    ``passes/value_bound.py``). Without that bound v has none (as in memory), and the refusal
+    comes from the trace alone."""
+    import geoscale_fx.passes.bounded_operand as bounded_operand
+    import geoscale_fx.passes.operand_sides as operand_sides
+
+    for module in (operand_sides, bounded_operand):
+        monkeypatch.setattr(module, "trace_value_bound", lambda *args, **kwargs: None)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Olmo2Config(**SMALL))
     model.save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")

@@ -1,7 +1,8 @@
 """One side of a logit term (``site_terms.Side``) from what the analysis traced.
 
 A side is ``q_h = R(A_hᵀ x̂ + c_h)``: the normalized ``Source`` ``x̂`` the projection reads
-(or the QK-norm unit the operand is made of: then the side has no weight of its own), the
+(or the QK-norm unit the operand is made of, or the tensor bounded by value that the operand
+is a view of: then the side has no weight of its own), the
 projection's weight and bias, the features of each head, the rotary embedding ``R`` replay
 recorded and the scalar gains on the way (``operand_gain``; ``position_gain``: per-position
 multipliers such as Llama-4's attention temperature, ``max |t|``).
@@ -25,7 +26,7 @@ from geoscale_fx.passes.rotation_pairs import rotated_partners
 from geoscale_fx.passes.value_bound import trace_value_bound
 from geoscale_fx.site_terms import Side, Source
 
-__all__ = ["source_of", "input_source", "side_of", "projection_side", "side_rotary",
+__all__ = ["source_of", "input_source", "side_of", "bounded_side", "projection_side", "side_rotary",
            "position_gain"]
 
 
@@ -58,6 +59,8 @@ def side_of(trace: OperandTrace, rows: HeadRows, records: ReplayRecords, kinds: 
     """A side from its operand's trace: the projection's normalized input, or the QK-norm
     the operand is made of (then the side has no weight of its own)."""
     unit = trace.norm_unit
+    if trace.projection.layout == "bounded":
+        return bounded_side(trace, rows, kinds, features)
     if unit is None:
         source = input_source(trace.projection.x, kinds, trace.projection.root)
         side = projection_side(trace.projection, rows, source, records.rotaries,
@@ -73,6 +76,30 @@ def side_of(trace: OperandTrace, rows: HeadRows, records: ReplayRecords, kinds: 
     if side.rotary is None:
         return side
     return replace(side, pairs=rotated_partners(side.features, offset, records))
+
+
+def bounded_side(trace: OperandTrace, rows: HeadRows, kinds: ValueKinds,
+                 features=None) -> Side:
+    """The side of an operand that is a view of a tensor ``x`` bounded by value
+    (``provenance.bounded_root``): no weight, ``A_h`` the identity on the head's channels
+    of ``x`` (``diag(g)`` of a normalization's gain). Each head vector is a slice of one of
+    ``x``'s token vectors (``head_rows`` refused mixed tokens), so ``‖x̂_h‖ ≤ ‖x̂‖ ≤ ρ`` —
+    provided no channel appears twice in a head (an ``expand`` along the features)."""
+    x = trace.projection.root
+    features = features if features is not None else rows.features
+    for head in features:
+        if len(set(head)) != len(head):
+            raise Unsupported(f"a head vector repeats channels of `{x.name}` (broadcast along "
+                              "the features): its norm may exceed the bound on one vector")
+    width = shape_of(x)[-1]
+    index = tuple(range(width))
+    try:
+        source = source_of(trace_normalized_input(x, kinds, x), index)
+    except Unsupported:
+        source = Source(norm="bounded", node=x.name, width=width, channel_index=index,
+                        radius_expr=trace_value_bound(x, kinds))
+    return Side(source=source, weight=None, layout="identity", features=features,
+                operand_gain=rows.gain)
 
 
 def side_rotary(rows: HeadRows, rotaries):

@@ -16,16 +16,17 @@ import torch
 from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
+from geoscale_fx.passes.assembled_writes import assembled_writes
 from geoscale_fx.passes.graph_ops import (
-    VALUE_CASTS, ValueKinds, arg, op_of, parameter_name, scalar_constant, shape_of,
+    VALUE_CASTS, ValueKinds, arg, op_of, parameter_name, shape_of,
 )
 from geoscale_fx.passes.index_replay import (
     RotaryTerm, Track, Unsupported, replay, trig_origin,
 )
 from geoscale_fx.passes.normalization import (
-    VIEWS, NormalizedInput, keeps_last_dim, norm_input, same_value, strip_casts,
-    trace_normalized_input,
+    VIEWS, NormalizedInput, keeps_last_dim, norm_input, strip_casts, trace_normalized_input,
 )
+from geoscale_fx.passes.bounded_operand import bounded_root
 from geoscale_fx.passes.replay_records import ReplayRecords
 
 __all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
@@ -39,7 +40,9 @@ class ProjectionOp:
     x: Node
     weight: Optional[Node]
     #: "linear": W (F, d);  "dense": W (d, F);  "identity": no weight — ``root`` is what an
-    #: L2 clip reads (through views), numbered as a projection's output would be
+    #: L2 clip reads (through views), numbered as a projection's output would be;
+    #: "bounded": no weight — the operand is a view of ``root``, whose token vectors are
+    #: bounded by value (``bounded_root``)
     layout: str
     bias: Optional[Node]
     #: a low-rank chain ``linear(linear(x, A), B)`` (a LoRA adapter): W = B·A, ``inner`` = A
@@ -204,57 +207,30 @@ def _view_chain_start(node: Node, visited: set) -> Node:
     return node
 
 
-def assembled_writes(node: Node) -> Optional[list[tuple[int, int, Node, Node]]]:
-    """``buf = x.new_empty(shape)`` whose whole last dim is written by
-    ``buf[..., a:b].copy_(src)`` before anything reads it: ``(a, b, src, copy node)`` per
-    write, in order of ``a``; None for any other node."""
-    if not (node.op == "call_method" and node.target == "new_empty"):
-        return None
-    shape = shape_of(node)
-    if not shape:
-        return None
-    writes, reads = [], []
-    for user in node.users:
-        span = _last_dim_slice(user, len(shape), shape[-1])
-        copies = [u for u in user.users if u.op == "call_method" and u.target == "copy_"
-                  and u.args[0] is user] if span is not None else []
-        if span is not None and len(copies) == 1 and len(user.users) == 1:
-            writes.append((*span, copies[0].args[1], copies[0]))
-        else:
-            reads.append(user)
-    writes.sort(key=lambda w: w[0])
-    covered = [(a, b) for a, b, _, _ in writes]
-    if not writes or covered[0][0] != 0 or covered[-1][1] != shape[-1] or \
-            any(b != a2 for (_, b), (a2, _) in zip(covered, covered[1:])):
-        return None
-    graph_order = {n: i for i, n in enumerate(node.graph.nodes)}
-    last_write = max(graph_order[c] for *_, c in writes)
-    if any(graph_order[r] < last_write for r in reads):
-        return None
-    return writes
-
-
-def _last_dim_slice(node: Node, ndim: int, width: int) -> Optional[tuple[int, int]]:
-    """``(a, b)`` if ``node`` is ``x[..., a:b]`` (every other dim whole)."""
-    if op_of(node) != "getitem":
-        return None
-    index = node.args[1]
-    index = index if isinstance(index, tuple) else (index,)
-    if index and index[0] is Ellipsis:
-        index = (slice(None),) * (ndim - len(index) + 1) + index[1:]
-    if len(index) != ndim or not all(isinstance(i, slice) for i in index) or \
-            any(i != slice(None) for i in index[:-1]):
-        return None
-    last = index[-1]
-    if last.step not in (None, 1) or not all(isinstance(v, (int, type(None)))
-                                              for v in (last.start, last.stop)):
-        return None
-    start, stop, _ = last.indices(width)
-    return (start, stop) if stop > start else None
-
-
 def trace_operand(operand: Node, kinds: ValueKinds, records: ReplayRecords, role: str,
                   order: dict[Node, int]) -> OperandTrace:
+    """The operand's trace back to its projection(s); failing that, the operand as a view of
+    a tensor bounded by value (``bounded_root``: a learned query vector, unweighted RMSNorm
+    keys), with the first walk's refusal when neither holds."""
+    try:
+        return _trace_projections(operand, kinds, records, role, order)
+    except Unsupported as refusal:
+        found = bounded_root(operand, kinds)
+        if isinstance(found, str):
+            raise (Unsupported(f"{refusal}, and {found}") if _NO_PROJECTION in str(refusal)
+                   else refusal) from None
+        root, path = found
+        records.reset()                  # what the refused walk recorded is not this trace's
+        track = replay(path, {root: 0}, records)[operand]
+        projection = ProjectionOp(root, root, None, "bounded", None)
+        return OperandTrace(projection, track, None, ((projection, 0),), ())
+
+
+_NO_PROJECTION = "no parameterised projection"
+
+
+def _trace_projections(operand: Node, kinds: ValueKinds, records: ReplayRecords, role: str,
+                       order: dict[Node, int]) -> OperandTrace:
     projections, visited, units, assembled = find_projection(operand, kinds, role)
     jumps: dict[Node, list[Node]] = {}
     for unit in units.values():

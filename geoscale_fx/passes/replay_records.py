@@ -43,6 +43,10 @@ class ReplayRecords:
         kinds = getattr(evaluate, "kinds", None)
         self._is_constant = is_constant or (kinds.is_constant if kinds is not None
                                             else (lambda node: False))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every record (a replay that was refused is not the operand's trace)."""
         self.rotaries: list[Rotary] = []
         self.norms: dict[int, tuple[int, dict[int, int]]] = {}   # unit → (width, positions)
         #: (feature, the feature it rotates with) of every rotated element, as index tensors

@@ -4,6 +4,7 @@ the per-head feature lists at the operand)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -457,3 +458,83 @@ def test_head_rows_reports_partial_rotation():
     assert rows.rotation == pytest.approx(1.0)
     assert rows.partial_rotation is True
     assert math.isclose(rows.gain, 1.0)
+
+
+# --------------------------------------------------------------------------------------
+# Operands with no projection, bounded by value (``bounded_root``)
+# --------------------------------------------------------------------------------------
+
+def test_a_learned_query_over_rmsnorm_keys_is_traced_to_the_values_it_views():
+    from tests.attention_variants import LearnedQueryPooling
+
+    site, = geoscale_fx.find_attention(LearnedQueryPooling().eval(), torch.randn(B, L, 64))
+    assert site.supported, site.reason
+    assert (site.q.source.norm, site.k.source.norm) == ("bounded", "rmsnorm")
+    assert site.q.source.radius_expr[0] == "rows"         # the query parameter's rows
+    assert site.value is not None and site.value.layout == "identity"
+
+
+def test_keys_of_the_raw_input_stay_refused_with_the_reason():
+    """The twin: the norm's gain on the raw input, no normalization — no weight or value
+    bounds it, and the reason names the graph input."""
+    from tests.attention_variants import LearnedQueryPooling
+
+    site, = geoscale_fx.find_attention(LearnedQueryPooling(keys="raw").eval(),
+                                       torch.randn(B, L, 64))
+    assert not site.supported
+    assert re.search(r"the key `\w+` is not a projection .* graph input `l_x_`", site.reason)
+
+
+def test_a_query_that_repeats_channels_of_the_bounded_value_is_refused():
+    """Each channel of w twice in the head vector: ‖q_h‖ = √2‖w‖ exceeds the rows' bound."""
+    class Repeated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.norm = nn.Parameter(torch.randn(D // 2)), nn.RMSNorm(D)
+
+        def forward(self, x):
+            k = self.norm(x)                                                  # (B, L, D)
+            q = self.query.view(-1, 1).expand(-1, 2).reshape(1, D).expand(B, 1, D)
+            return F.scaled_dot_product_attention(q, k, k)
+
+    site, = geoscale_fx.find_attention(Repeated().eval(), torch.randn(B, L, D))
+    assert not site.supported
+    assert re.fullmatch(r"a head vector repeats channels of `\w*query\w*` \(broadcast along "
+                        r"the features\).*", site.reason)
+
+
+def test_a_query_scaled_by_the_input_stays_refused_with_the_graph_input_named():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query, self.norm = nn.Parameter(torch.randn(D)), nn.RMSNorm(D)
+
+        def forward(self, x):
+            k = self.norm(x)                                                  # (B, L, D)
+            q = (self.query * x[..., :1].sum()).expand(B, 1, D)              # (B, 1, D)
+            return F.scaled_dot_product_attention(q, k, k)
+
+    site, = geoscale_fx.find_attention(Scaled().eval(), torch.randn(B, L, D))
+    assert not site.supported
+    assert re.search(r"the query `q` is not a projection .* graph input `l_x_`", site.reason)
+
+
+def test_keys_from_a_static_cache_filled_in_place_are_not_bounded_by_its_zeros():
+    """``torch.zeros`` then ``index_copy_``: a constant before the write, keys after it —
+    bounded by their observed norms, never by the zeros' value."""
+    class StaticCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.q, self.k = nn.RMSNorm(D), nn.Linear(D, D), nn.Linear(D, D)
+
+        def forward(self, x):
+            h = self.norm(x)
+            q = self.q(h).view(B, L, H, DH).transpose(1, 2)                 # (B, H, L, dh)
+            k = self.k(h).view(B, L, H, DH).transpose(1, 2)
+            cache = torch.zeros(B, H, 16, DH)
+            cache.index_copy_(2, torch.arange(L), k)
+            return F.scaled_dot_product_attention(q, cache, cache)
+
+    site, = geoscale_fx.find_attention(StaticCache().eval(), torch.randn(B, L, D))
+    assert site.supported, site.reason
+    assert site.k.layout == "observed"

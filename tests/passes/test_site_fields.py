@@ -10,8 +10,8 @@ from geoscale_fx.passes.site_fields import site_fields
 from geoscale_fx.site_terms import Modifier
 
 
-def _node(name):
-    return SimpleNamespace(name=name)
+def _node(name, op="call_function"):
+    return SimpleNamespace(name=name, op=op)
 
 
 def _cand(scale=0.25, modifiers=()):
@@ -25,7 +25,7 @@ def _term(n_q=4, n_kv=2, d_h=8):
 
 
 def test_fields_carry_scale_times_gain_heads_and_modifiers_in_order():
-    mods = (("mask", _node("add"), float("nan")), ("sink", _node("sinks"), float("nan")),
+    mods = (("mask", _node("add"), float("nan")), ("sink", _node("sinks", "placeholder"), float("nan")),
             ("softcap", _node("mul"), 30.0))
     term = _term()
     fields = site_fields(_cand(modifiers=mods), [term], 2.0, 5, 7, torch.arange(4).repeat(2, 1))
@@ -49,3 +49,10 @@ def test_a_scale_that_is_not_a_constant_is_refused(scale):
     with pytest.raises(Unsupported, match="`softmax`: the softmax scale is not a "
                                           "compile-time constant"):
         site_fields(_cand(scale=scale), [_term()], 1.0, 1, 1, torch.arange(4))
+
+
+def test_a_sink_computed_without_the_graph_kinds_is_refused():
+    mods = (("sink", _node("sink_proj"), float("nan")),)
+    with pytest.raises(Unsupported, match="sink logits `sink_proj` are computed from the "
+                                          "activations"):
+        site_fields(_cand(modifiers=mods), [_term()], 1.0, 1, 1, torch.arange(4))

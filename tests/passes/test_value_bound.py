@@ -23,7 +23,8 @@ from geoscale_fx.passes.normalization import trace_normalized_input
 from geoscale_fx.passes.value_bound import trace_value_bound
 from tests import analysis_checks as checks
 from tests.attention_variants import (
-    D, DH, H, Block, EmbeddedTokens, EmbeddingProjection, PaddingMasked, Unnormalized,
+    D, DH, H, Block, EmbeddedTokens, EmbeddingProjection, LearnedQueryPooling, PaddingMasked,
+    Unnormalized,
 )
 
 B, L = 2, 12
@@ -195,7 +196,7 @@ def test_the_bound_holds_when_every_position_reads_the_largest_row():
     assert (_observed(graph, site, torch.randn(B, L, D)) <= bound).all()
 
 
-@pytest.mark.parametrize("factory", [EmbeddingProjection, PaddingMasked])
+@pytest.mark.parametrize("factory", [EmbeddingProjection, PaddingMasked, LearnedQueryPooling])
 def test_the_bound_holds_under_gradient_ascent_with_inflated_gains(factory):
     torch.manual_seed(0)
     model = factory().eval()
