@@ -19,7 +19,7 @@ from torch.fx import Node
 __all__ = [
     "op_of", "arg", "upstream", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
     "ValueKinds", "module_path", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
-    "DTENSOR_OPS",
+    "DTENSOR_OPS", "strip_casts", "is_last_dim", "same_value",
 ]
 
 _FUNCTIONS: dict[Any, str] = {
@@ -268,3 +268,28 @@ def parameter_name(node: Node) -> str:
     name = _MODULE_ROOT.sub("", name)
     name = re.sub(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
     return name.lstrip(".") or node.name
+
+
+def strip_casts(node):
+    while isinstance(node, Node) and op_of(node) in VALUE_CASTS:
+        node = node.args[0]
+    return node
+
+
+def is_last_dim(dim, ndim) -> bool:
+    if isinstance(dim, (list, tuple)):
+        return len(dim) == 1 and is_last_dim(dim[0], ndim)
+    return dim in (-1, ndim - 1)
+
+
+def same_value(a, b, depth: int = 4) -> bool:
+    """Whether two graph values are the same computation: one node, or the same op on the
+    same arguments (a hand-written LayerNorm computes ``x − mean(x)`` twice)."""
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+        return not isinstance(a, Node) and not isinstance(b, Node) and a == b
+    if (a.op, a.target) != (b.op, b.target) or len(a.args) != len(b.args) or \
+            a.kwargs != b.kwargs or a.op not in ("call_function", "call_method"):
+        return False
+    return all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
