@@ -261,7 +261,9 @@ def _spy_ratios(calls: list[Call], sites: list) -> list[float]:
         bound = site_logit_bound(site).double().reshape(-1)
         amax = call.amax if call.amax.numel() == bound.numel() else call.amax.max().reshape(1)
         bound = bound if amax.numel() == bound.numel() else bound.max().reshape(1)
-        ratios += (amax / bound).tolist()
+        # a zero bound (Inkling-2's learned query starts at zeros) holds iff the logits are 0
+        ratios += torch.where(bound > 0, amax / bound.clamp_min(1e-300),
+                              torch.where(amax > 0, math.inf, 0.0)).tolist()
     return ratios
 
 
@@ -270,11 +272,16 @@ def _audit_ratios(wrapped) -> tuple[list[float], int]:
     import geoscale_fx
 
     rows = geoscale_fx.report(wrapped, per_head=True).rows
-    ratios = [r["max_scaled"] * r["scale"] / r["bound"] for r in rows
-              if r.get("max_scaled") is not None and r.get("bound")]
+    ratios = [_ratio(r["max_scaled"] * r["scale"], r["bound"]) for r in rows
+              if r.get("max_scaled") is not None and r.get("bound") is not None]
     overflows = sum(r["overflow_steps"] or 0 for r in rows
                     if r.get("overflow_steps") is not None and r["head"] in (0, None))
     return ratios, overflows
+
+
+def _ratio(observed: float, bound: float) -> float:
+    """observed/bound; a zero bound holds only for zero observations (then 0, else inf)."""
+    return observed / bound if bound > 0 else (math.inf if observed > 0 else 0.0)
 
 
 class _FamilyTimeout(Exception):
