@@ -52,6 +52,8 @@ _FUNCTIONS: dict[Any, str] = {
     torch.clamp: "clamp", torch.clip: "clamp", torch.clamp_max: "clamp_max",
     torch.minimum: "minimum", torch.min: "min",
     torch.linalg.vector_norm: "vector_norm", torch.norm: "norm",
+    F.embedding: "embedding", torch.embedding: "embedding", torch.index_select: "index_select",
+    torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
 }
 
 _METHODS: dict[str, str] = {
@@ -72,6 +74,7 @@ _METHODS: dict[str, str] = {
     "baddbmm": "baddbmm",
     "mm": "matmul", "masked_fill": "masked_fill", "rsqrt": "rsqrt", "sqrt": "sqrt",
     "pow": "pow", "square": "square", "maximum": "maximum", "mean": "mean", "cos": "cos", "sin": "sin", "tanh": "tanh",
+    "index_select": "index_select", "sigmoid": "sigmoid",
     "to_local": "to_local", "redistribute": "redistribute", "full_tensor": "full_tensor",
     "clamp": "clamp", "clip": "clamp", "clamp_max": "clamp_max", "minimum": "minimum",
     "min": "min", "norm": "norm",

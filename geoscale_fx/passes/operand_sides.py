@@ -26,8 +26,8 @@ from geoscale_fx.passes.rotation_pairs import rotated_partners
 from geoscale_fx.passes.value_bound import trace_value_bound
 from geoscale_fx.site_terms import Side, Source
 
-__all__ = ["source_of", "input_source", "side_of", "bounded_side", "projection_side", "side_rotary",
-           "position_gain"]
+__all__ = ["source_of", "input_source", "side_of", "bounded_side", "projection_side",
+           "side_rotary", "position_gain"]
 
 
 def source_of(norm: NormalizedInput, channel_index: tuple[int, ...] = ()) -> Source:
@@ -91,13 +91,7 @@ def bounded_side(trace: OperandTrace, rows: HeadRows, kinds: ValueKinds,
         if len(set(head)) != len(head):
             raise Unsupported(f"a head vector repeats channels of `{x.name}` (broadcast along "
                               "the features): its norm may exceed the bound on one vector")
-    width = shape_of(x)[-1]
-    index = tuple(range(width))
-    try:
-        source = source_of(trace_normalized_input(x, kinds, x), index)
-    except Unsupported:
-        source = Source(norm="bounded", node=x.name, width=width, channel_index=index,
-                        radius_expr=trace_value_bound(x, kinds))
+    source = replace(input_source(x, kinds, x), channel_index=tuple(range(shape_of(x)[-1])))
     return Side(source=source, weight=None, layout="identity", features=features,
                 operand_gain=rows.gain)
 

@@ -44,7 +44,6 @@ import operator
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import (
@@ -57,27 +56,23 @@ from geoscale_fx.passes.normalization import (
 
 __all__ = ["trace_value_bound"]
 
-#: spellings this walk reads that the shared vocabulary (``graph_ops.op_of``) does not name
-_EXTRA_FUNCTIONS = {
-    F.embedding: "embedding", torch.embedding: "embedding", torch.index_select: "index_select",
-    operator.imul: "mul", operator.iadd: "add", operator.isub: "sub",
-    operator.itruediv: "div", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
-}
-_EXTRA_METHODS = {"index_select": "index_select", "sigmoid": "sigmoid", "mul_": "mul",
-                  "add_": "add", "div_": "div", "expand_as": "expand_as",
-                  "view_as": "view_as"}
+#: in-place spellings this walk reads as their out-of-place op (the node is the result); the
+#: shared vocabulary (``graph_ops.op_of``) leaves them unnamed for every other pass
+_IN_PLACE_FUNCTIONS = {operator.imul: "mul", operator.iadd: "add", operator.isub: "sub",
+                       operator.itruediv: "div"}
+_IN_PLACE_METHODS = {"mul_": "mul", "add_": "add", "div_": "div"}
 _MAX_DEPTH = 64
 
 
 def _op(node: Node) -> Optional[str]:
     if node.op == "call_function":
         try:
-            extra = _EXTRA_FUNCTIONS.get(node.target)
+            in_place = _IN_PLACE_FUNCTIONS.get(node.target)
         except TypeError:
-            extra = None
-        return extra or op_of(node)
-    if node.op == "call_method" and node.target in _EXTRA_METHODS:
-        return _EXTRA_METHODS[node.target]
+            in_place = None
+        return in_place or op_of(node)
+    if node.op == "call_method" and node.target in _IN_PLACE_METHODS:
+        return _IN_PLACE_METHODS[node.target]
     return op_of(node)
 
 
