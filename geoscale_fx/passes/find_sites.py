@@ -306,7 +306,8 @@ def _product_with_values(softmax: Node, cand: CandidateDraft) -> Optional[Node]:
                     return user
                 if op == "einsum" and len(user.args) == 3 and user.args[1] is node:
                     return user
-                if op in VALUE_CASTS or op == "getitem" or _keeps_score_dims(user):
+                if op in VALUE_CASTS or op == "getitem" or _keeps_score_dims(user) or \
+                        _zeroes_probabilities(user, node):
                     nxt.append(user)          # casts, a sink column sliced off, (B·H) views
                 elif op == "dropout":
                     cand.dropout_p = float(arg(user, 1, "p", 0.5)) if arg(
@@ -314,6 +315,20 @@ def _product_with_values(softmax: Node, cand: CandidateDraft) -> Optional[Node]:
                     nxt.append(user)
         frontier = nxt
     return None
+
+
+def _zeroes_probabilities(user: Node, probs: Node) -> bool:
+    """``masked_fill(P, m, 0)`` / ``where(m, 0, P)`` / ``where(m, P, 0)`` after the softmax
+    (CPM-Ant re-zeroes masked rows): entries become 0, so every probability stays in [0, 1]
+    and the logits' scale is unchanged."""
+    op = op_of(user)
+    if op == "masked_fill":
+        return user.args[0] is probs and scalar_constant(arg(user, 2, "value")) == 0
+    if op == "where" and len(user.args) == 3:
+        a, b = user.args[1], user.args[2]
+        return (a is probs and scalar_constant(b) == 0) or (b is probs and
+                                                            scalar_constant(a) == 0)
+    return False
 
 
 def _set_operands(scores: Node, cand: CandidateDraft) -> bool:

@@ -50,7 +50,7 @@ _FUNCTIONS: dict[Any, str] = {
     torch.where: "where", torch.masked_fill: "masked_fill", torch.full: "full",
     torch.clone: "clone", torch.detach: "detach",
     torch.clamp: "clamp", torch.clip: "clamp", torch.clamp_max: "clamp_max",
-    torch.minimum: "minimum", torch.min: "min",
+    torch.clamp_min: "clamp_min", torch.minimum: "minimum", torch.min: "min",
     torch.linalg.vector_norm: "vector_norm", torch.norm: "norm",
     F.embedding: "embedding", torch.embedding: "embedding", torch.index_select: "index_select",
     torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
@@ -77,7 +77,7 @@ _METHODS: dict[str, str] = {
     "index_select": "index_select", "sigmoid": "sigmoid",
     "to_local": "to_local", "redistribute": "redistribute", "full_tensor": "full_tensor",
     "clamp": "clamp", "clip": "clamp", "clamp_max": "clamp_max", "minimum": "minimum",
-    "min": "min", "norm": "norm",
+    "min": "min", "norm": "norm", "clamp_min": "clamp_min",
 }
 
 try:  # tensor parallelism: DTensor's constructor from a local tensor (passes/dtensor.py)
@@ -191,6 +191,9 @@ def scalar_constant(value: Any) -> float | None:
             size, fill = value.args[0], arg(value, 1, "fill_value")
             if isinstance(fill, (int, float)) and math.prod(size) == 1:
                 return float(fill)
+        if value.target in (torch.scalar_tensor, torch.tensor) and value.args and \
+                isinstance(value.args[0], (int, float)) and not isinstance(value.args[0], bool):
+            return float(value.args[0])      # ``torch.scalar_tensor(0)`` as a fill value
     return None
 
 

@@ -1,4 +1,5 @@
-"""The L2 clip: ``h · min(m, t / (‖h‖₂ + ε))`` bounds its output, ``‖·‖ ≤ t``, whatever ``h`` is.
+"""The L2 clip: ``h · min(m, t / (‖h‖₂ + ε))`` bounds its output, ``‖·‖ ≤ t``, whatever ``h`` is;
+so does the scaled L2 normalization ``h · t / max(‖h‖₂, ε)`` (ZAYA's QK-norm).
 
 Inkling-2 clips q and k per head this way (after a learned per-channel gain and, for k, a
 short convolution): the clip is a normalization like a QK-norm, the operand's head vector
@@ -20,7 +21,8 @@ __all__ = ["l2_clip"]
 
 def l2_clip(node: Node, kinds: ValueKinds) -> Optional[tuple[Node, float, Node]]:
     """``(h, t, x)`` if ``node`` is ``h · c`` with ``c = min(m, t/(‖h‖₂ + ε))`` over the last
-    dim (``clamp(max=m)``, ``clamp_max``, ``minimum``/``min`` with a constant), else None.
+    dim (``clamp(max=m)``, ``clamp_max``, ``minimum``/``min`` with a constant; the cap is
+    optional, and ``+ ε`` may be a floor ``max(‖h‖₂, ε)``), else None.
 
     Then ``‖node‖ = ‖h‖·c ≤ t·‖h‖/(‖h‖+ε) ≤ t`` for any ``h`` (``t > 0``, ``ε ≥ 0``,
     ``0 ≤ m``; a lower clamp ``≤ 0`` is inert since the ratio is positive). ``x`` is ``h``
@@ -32,8 +34,9 @@ def l2_clip(node: Node, kinds: ValueKinds) -> Optional[tuple[Node, float, Node]]
     for h, factor in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
         if not (isinstance(h, Node) and isinstance(factor, Node)):
             continue
-        ratio = _capped(strip_casts(factor))
-        found = _threshold_over_norm(ratio) if ratio is not None else None
+        factor = strip_casts(factor)
+        ratio = _capped(factor)
+        found = _threshold_over_norm(ratio if ratio is not None else factor)
         if found is not None and same_value(strip_casts(found[0]), strip_casts(h)):
             return h, found[1], _before_gain(strip_casts(h), kinds)
     return None
@@ -60,7 +63,8 @@ def _capped(node: Node) -> Optional[Node]:
 
 
 def _threshold_over_norm(node: Node) -> Optional[tuple[Node, float]]:
-    """``(h, t)`` if ``node`` is ``t / (‖h‖₂ + ε)`` (last dim, keepdim; ``t > 0``, ``ε ≥ 0``)."""
+    """``(h, t)`` if ``node`` is ``t / (‖h‖₂ + ε)`` or ``t / max(‖h‖₂, ε)`` (last dim, keepdim;
+    ``t > 0``, ``ε ≥ 0``)."""
     node = strip_casts(node)
     if op_of(node) != "div":
         return None
@@ -68,16 +72,30 @@ def _threshold_over_norm(node: Node) -> Optional[tuple[Node, float]]:
     if t is None or t <= 0 or not isinstance(node.args[1], Node):
         return None
     den = strip_casts(node.args[1])
-    if op_of(den) == "add":
-        for n, eps in ((den.args[0], den.args[1]), (den.args[1], den.args[0])):
-            value = scalar_constant(eps)
-            if isinstance(n, Node) and value is not None and value >= 0:
-                den = strip_casts(n)
-                break
-        else:
-            return None
+    floored = _floored(den)
+    if floored is not None:
+        den = floored
     h = _l2_norm_source(den)
     return (h, t) if h is not None else None
+
+
+def _floored(den: Node) -> Optional[Node]:
+    """``n`` if ``den`` is ``n + ε`` or ``max(n, ε)`` with a constant ``ε ≥ 0`` (``clamp_min``,
+    ``clamp(min=ε)``, ``maximum``/``max``): either way ``den ≥ n``, so ``t·n/den ≤ t``."""
+    op = op_of(den)
+    if op == "clamp" and arg(den, 2, "max") is None:
+        pairs = ((den.args[0], arg(den, 1, "min")),)
+    elif op in ("add", "clamp_min", "maximum", "max") and len(den.args) == 2:
+        pairs = ((den.args[0], den.args[1]), (den.args[1], den.args[0]))
+    else:
+        return None
+    for n, eps in pairs:
+        if op == "max" and isinstance(eps, int):      # torch.max(x, dim): a reduction
+            continue
+        value = scalar_constant(eps)
+        if isinstance(n, Node) and value is not None and value >= 0:
+            return strip_casts(n)
+    return None
 
 
 def _l2_norm_source(node: Node) -> Optional[Node]:

@@ -174,6 +174,33 @@ def test_explicit_attention_forms(name):
     assert _source(values) == "l_v_"
 
 
+ZEROED = {
+    # CPM-Ant: the masked probabilities zeroed again after the softmax
+    "masked_fill_zero": lambda p, keep: p.masked_fill(~keep, torch.scalar_tensor(0.0)),
+    "where_zero": lambda p, keep: torch.where(keep, p, 0.0),
+    "where_zero_first": lambda p, keep: torch.where(~keep, 0.0, p),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZEROED))
+def test_probabilities_zeroed_after_the_softmax_still_multiply_values(name):
+    """``masked_fill(P, m, 0)`` / ``where(m, P, 0)`` keeps every probability in [0, 1]: the
+    path to ``@ V`` goes through it."""
+    zero = ZEROED[name]
+    fn = lambda q, k, v, m, keep: zero((q @ _kt(k) * S).masked_fill(
+        ~keep, float("-inf")).softmax(-1), keep) @ v
+    (cand,), _ = _candidates(fn, *_inputs())
+    assert not cand.failure and op_of(cand.roles["pv"]) == "matmul"
+    assert _source(cand.roles["pv"].args[1]) == "l_v_"
+
+
+def test_probabilities_filled_with_a_nonzero_value_are_not_followed():
+    """Filling masked probabilities with 0.5 is not a zeroing: the site is reported."""
+    fn = lambda q, k, v, m, keep: (q @ _kt(k) * S).softmax(-1).masked_fill(~keep, 0.5) @ v
+    (cand,), _ = _candidates(fn, *_inputs())
+    assert cand.failure is not None and "never multiply values" in cand.failure
+
+
 @pytest.mark.parametrize("name, query_perm, key_perm", [
     ("einsum", (0, 1, 2, 3), (0, 1, 2, 3)),
     ("einsum_blhd", (0, 2, 1, 3), (0, 2, 1, 3)),
