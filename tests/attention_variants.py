@@ -162,6 +162,10 @@ class Block(nn.Module):
             s = s + torch.full((L, L), torch.finfo(s.dtype).min).triu(1)
             s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
             return F.softmax(s, dim=-1) @ v
+        if self.attn == "zeroed":   # CPM-Ant: the masked probabilities zeroed again
+            keep = torch.ones(L, L, dtype=torch.bool).tril()
+            p = F.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+            return p.masked_fill(~keep, torch.scalar_tensor(0.0)) @ v
         s = torch.where(torch.ones(L, L, dtype=torch.bool).tril(), s, float("-inf"))
         return F.dropout(F.softmax(s, dim=-1), p=0.0) @ v
 
@@ -294,8 +298,8 @@ class PaddingMasked(nn.Module):
 class L2Clip(nn.Module):
     """Inkling-2's ``ScaledL2Clip``: ``h = x ⊙ g`` (a per-head gain, or none), then
     ``h·min(1, t/(‖h‖+ε))`` spelled ``style`` ("clamp": ``.clamp(max=1)``, "clamp_max",
-    "function": ``torch.clamp(r, None, 1)``; "floored": ``clamp(min=0.5, max=1)``, which does
-    not bound ``‖h‖`` — the negative twin)."""
+    "function": ``torch.clamp(r, None, 1)``; "normalized": ZAYA's ``t·h/‖h‖.clamp_min(ε)``;
+    "floored": ``clamp(min=0.5, max=1)``, which does not bound ``‖h‖`` — the negative twin)."""
 
     def __init__(self, t, heads=None, style="clamp"):
         super().__init__()
@@ -306,6 +310,8 @@ class L2Clip(nn.Module):
         dtype, h = h.dtype, h.float()
         if self.scale is not None:
             h = h * self.scale.float()
+        if self.style == "normalized":     # ZAYA's QK-norm: t·h / max(‖h‖, ε), no cap
+            return (h * (self.t / h.norm(p=2, dim=-1, keepdim=True).clamp_min(1e-7))).to(dtype)
         r = self.t / (torch.linalg.vector_norm(h, dim=-1, keepdim=True) + 1e-6)
         r = {"clamp": lambda: r.clamp(max=1.0), "clamp_max": lambda: torch.clamp_max(r, 1.0),
              "function": lambda: torch.clamp(r, None, 1.0),
@@ -327,6 +333,8 @@ class ClippedConvKey(nn.Module):
         self.q_clip, self.k_clip = L2Clip(t, H, style), L2Clip(t, None, style)
         self.sink_kind = sink
         self.sink = nn.Linear(D, H) if sink else None
+        # ZAYA: a learned per-head key temperature after the normalization
+        self.temp = nn.Parameter(torch.full((H,), 1.5)) if style == "normalized" else None
 
     def forward(self, x):
         B, L, _ = x.shape
@@ -334,6 +342,8 @@ class ClippedConvKey(nn.Module):
         k = self.conv(self.k(h).transpose(1, 2))[..., :L].transpose(1, 2)     # (B, L, D)
         q = self.q_clip(self.q(h).view(B, L, H, DH)).transpose(1, 2)         # (B, H, L, dh)
         k = self.k_clip(k.view(B, L, H, DH)).transpose(1, 2)
+        if self.temp is not None:
+            k = k * self.temp[None, :, None, None]
         v = self.v(h).view(B, L, H, DH).transpose(1, 2)
         s = q @ k.transpose(-1, -2) * DH ** -0.5
         s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
@@ -415,6 +425,8 @@ VARIANTS = {
     "floored_mask": (block(attn="floored"), dict(has_mask=True)),
     # GPT-1 (openai-gpt): a multiplicative 0/1 causal mask, S·b + (-1e4)·(1 - b)
     "multiplied_mask": (block(attn="multiplied"), dict(has_mask=True)),
+    # CPM-Ant: masked probabilities zeroed again after the softmax
+    "zeroed_probabilities": (block(attn="zeroed"), dict(has_mask=True)),
     "rope_reshape_as": (block(rope="roformer", attn="explicit"), dict(rope=True)),
     # Gemma 4: RMSNorm's rsqrt written as pow(·, -0.5), before the projections and as QK-norm
     "qk_norm_pow_rope": (block(norm="gemma_pow", qk_norm="pow", rope="half"),
@@ -430,6 +442,9 @@ VARIANTS = {
     "l2_clip_conv_key": (ClippedConvKey, dict(norm="l2clip", model_dim=DH)),
     "l2_clip_function": (lambda: ClippedConvKey(style="function"),
                          dict(norm="l2clip", model_dim=DH)),
+    # ZAYA: q, k normalized to norm t (t/max(‖h‖, ε)), a per-head temperature on k after
+    "scaled_l2_norm": (lambda: ClippedConvKey(style="normalized"),
+                       dict(norm="l2clip", model_dim=DH)),
     # ... and a sink logit per query and head projected from the normalized input
     "projected_sink": (lambda: ClippedConvKey(sink="normalized"),
                        dict(norm="l2clip", model_dim=DH)),
