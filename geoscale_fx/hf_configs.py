@@ -28,9 +28,10 @@ __all__ = ["tiny_config", "causal_lm_types", "auto_model_class", "model_from_con
            "tiny_model", "token_inputs"]
 
 
-def tiny_config(model_type: str, **overrides):
+def tiny_config(model_type: str, *, per_kind: int = 1, **overrides):
     """The default config of transformers ``model_type``, shrunk by
-    :func:`~geoscale_fx.hf_config_shrinker.shrink_config` (``overrides`` set after).
+    :func:`~geoscale_fx.hf_config_shrinker.shrink_config` keeping ``per_kind`` layers of each
+    kind of layer (``overrides`` set after).
 
     Raises ``ValueError`` naming ``model_type`` when transformers does not know it or
     refuses its default config, or the shrunk one.
@@ -49,7 +50,7 @@ def tiny_config(model_type: str, **overrides):
         raise ValueError(f"model type {model_type!r}: transformers refuses its default config "
                          f"({type(exc).__name__}: {exc})") from exc
     try:
-        config = shrink_config(config)
+        config = shrink_config(config, per_kind=per_kind)
     except Exception as exc:  # a family's own validation of the shrunk fields
         raise ValueError(f"model type {model_type!r}: its shrunk config is refused "
                          f"({type(exc).__name__}: {exc})") from exc
@@ -91,29 +92,45 @@ def tiny_model(model_type: str, *, device: str | torch.device = "cpu",
                attn_implementation: str | None = None, seed: int = 0):
     """A random-weight model of ``model_type`` from :func:`tiny_config`, built as a causal
     LM when transformers has one for it (``is_decoder`` set), else as ``AutoModel``; a
-    model with language adapters (``set_default_language``) uses its first language.
+    model with language adapters (``set_default_language``) uses its first language. One that
+    does not build from one layer of each kind is built from two of each (a layer tying its
+    weights to another of its kind: Zamba's hybrid layers share one block).
 
     Raises ``ValueError`` naming ``model_type`` and the reason when it cannot be built, and
     whether transformers' own default config of it builds (on the meta device).
     """
     import transformers
 
-    config = tiny_config(model_type)
-    if auto_model_class(config) is transformers.AutoModelForCausalLM \
-            and getattr(config, "is_decoder", None) is False:
-        config.is_decoder = True      # encoder families (BERT …) as causal LMs
+    def config_of(per_kind: int):
+        config = tiny_config(model_type, per_kind=per_kind)
+        if auto_model_class(config) is transformers.AutoModelForCausalLM \
+                and getattr(config, "is_decoder", None) is False:
+            config.is_decoder = True      # encoder families (BERT …) as causal LMs
+        return config
+
+    kwargs = {"device": device, "attn_implementation": attn_implementation, "seed": seed}
+    config = config_of(per_kind=1)
     try:
-        model = model_from_config(config, device=device,
-                                  attn_implementation=attn_implementation, seed=seed)
+        return _with_language(model_from_config(config, **kwargs), config)
     except Exception as exc:  # any failure of a family's constructor is reported by name
-        default = transformers.AutoConfig.for_model(model_type)
-        try:
-            model_from_config(default, device="meta")
-            verdict = "its default config builds: the shrinking broke it"
-        except Exception:  # noqa: BLE001 — only whether it builds matters here
-            verdict = "its default config does not build either"
-        raise ValueError(f"model type {model_type!r}: its shrunk config does not build "
-                         f"({type(exc).__name__}: {exc}); {verdict}") from exc
+        failure = exc
+    try:  # two layers of each kind: one tied to another of its kind has one to tie to
+        config = config_of(per_kind=2)
+        return _with_language(model_from_config(config, **kwargs), config)
+    except Exception:  # noqa: BLE001 — the first failure is the one reported
+        exc = failure
+    default = transformers.AutoConfig.for_model(model_type)
+    try:
+        model_from_config(default, device="meta")
+        verdict = "its default config builds: the shrinking broke it"
+    except Exception:  # noqa: BLE001 — only whether it builds matters here
+        verdict = "its default config does not build either"
+    raise ValueError(f"model type {model_type!r}: its shrunk config does not build "
+                     f"({type(exc).__name__}: {exc}); {verdict}") from exc
+
+
+def _with_language(model, config):
+    """``model``, with its first language set where it has language adapters (X-MOD)."""
     languages = list(getattr(config, "languages", None) or [])
     if hasattr(model, "set_default_language") and languages:
         model.set_default_language(languages[0])    # X-MOD: one adapter per language
@@ -124,12 +141,16 @@ def token_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 32) -> d
     """Keyword arguments of one call: random token ids ``(batch, seq_len)`` below the model's
     vocabulary (its input embedding's rows, else ``config.vocab_size``), seeded, on the
     model's device (meta for a model without weights); ``use_cache=False`` where the forward
-    takes it, so that no cache holds keys."""
+    takes it, or passes its ``**kwargs`` to a base model that does, so that no cache holds keys
+    (nor is asked its length where no layer is attention: GraniteMoeHybrid's default)."""
     embeddings = getattr(model, "get_input_embeddings", lambda: None)()
     vocab = getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq_len), generator=generator)  # (B, T)
     inputs = {"input_ids": ids.to(next(model.parameters()).device)}
-    if "use_cache" in inspect.signature(model.forward).parameters:
+    params = inspect.signature(model.forward).parameters
+    base = getattr(model, "base_model", model)
+    if "use_cache" in params or base is not model and "use_cache" in inspect.signature(
+            base.forward).parameters and any(p.kind is p.VAR_KEYWORD for p in params.values()):
         inputs["use_cache"] = False
     return inputs

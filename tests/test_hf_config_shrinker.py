@@ -134,3 +134,92 @@ def test_a_count_of_some_layers_keeps_its_share():
     assert max(small.intermediate_size) <= shrinker.WIDTH
     assert len(small.intermediate_size) == small.num_hidden_layers
     assert small.vocab_size_per_layer_input <= shrinker.WIDTH
+
+
+def test_a_top_k_of_experts_left_none_is_set_where_experts_are_counted():
+    """DeepSeek-V2's default leaves num_experts_per_tok None (its router calls topk(k=None)):
+    shrunk, it is a top-k within the experts kept; a config that counts no experts keeps
+    its None."""
+    big = transformers.DeepseekV2Config()
+    assert big.num_experts_per_tok is None
+    small = shrink_config(big)
+    assert 1 <= small.num_experts_per_tok <= small.n_routed_experts
+
+    class NoExperts(transformers.PreTrainedConfig):
+        model_type = "test-no-experts"
+
+        def __init__(self, hidden_size=512, num_experts_per_tok=None, **kwargs):
+            self.hidden_size, self.num_experts_per_tok = hidden_size, num_experts_per_tok
+            super().__init__(**kwargs)
+
+    assert shrink_config(NoExperts()).num_experts_per_tok is None
+
+
+@pytest.mark.parametrize("model_type, heads, head_dim, expand", [
+    ("mamba2", "num_heads", "head_dim", "expand"),
+    ("bamba", "mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("granitemoehybrid", "mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("zamba2", "n_mamba_heads", "mamba_headdim", "mamba_expand"),
+    ("nemotron_h", "mamba_num_heads", "mamba_head_dim", "expand")])
+def test_a_mixers_heads_keep_its_inner_width(model_type, heads, head_dim, expand):
+    """A Mamba-2 mixer splits its inner width expand·d in n_heads heads of head_dim (the
+    config class checks it, or the mixer's reshape fails): the product holds after the
+    shrinking, under each family's own field names."""
+    big = _default(model_type)
+    assert getattr(big, heads) * getattr(big, head_dim) == getattr(big, expand) * big.hidden_size
+    small = shrink_config(big)
+    assert small.hidden_size < big.hidden_size and getattr(small, heads) <= shrinker.COUNT
+    assert getattr(small, heads) * getattr(small, head_dim) \
+        == getattr(small, expand) * small.hidden_size
+
+
+def test_a_mixers_heads_keep_a_width_of_their_name():
+    """Falcon-H1 sets its mixer's inner width apart (mamba_d_ssm = n_heads·d_head, not
+    expand·d): it is capped and the heads still fill it. Heads and a width of another name
+    (an indexer's 16 heads of 128 = 2048 = its top-k) are left alone."""
+    big = _default("falcon_h1")
+    assert big.mamba_n_heads * big.mamba_d_head == big.mamba_d_ssm != big.mamba_expand * \
+        big.hidden_size
+    small = shrink_config(big)
+    assert small.mamba_n_heads * small.mamba_d_head == small.mamba_d_ssm <= shrinker.WIDTH
+
+    class Indexer(transformers.PreTrainedConfig):
+        model_type = "test-indexer"
+
+        def __init__(self, hidden_size=4096, index_n_heads=16, index_head_dim=128,
+                     index_topk=2048, **kwargs):
+            self.hidden_size, self.index_n_heads = hidden_size, index_n_heads
+            self.index_head_dim, self.index_topk = index_head_dim, index_topk
+            super().__init__(**kwargs)
+
+    indexer = shrink_config(Indexer())
+    assert (indexer.index_head_dim, indexer.index_topk) == (128, 2048)
+
+
+def test_two_layers_of_each_kind_on_demand():
+    """Zamba ties the shared transformer of every hybrid layer to the first one's: with one
+    hybrid layer there is nothing to tie (its constructor refuses). ``per_kind=2`` keeps two
+    layers of each kind the model has twice or more, one layer of a kind it has once."""
+    big = _default("zamba")
+    one, two = shrink_config(big), shrink_config(big, per_kind=2)
+    assert sorted(one.layers_block_type) == ["hybrid", "linear_attention"]
+    assert sorted(two.layers_block_type) == ["hybrid"] * 2 + ["linear_attention"] * 2
+    assert two.num_hidden_layers == len(two.layers_block_type) == 4
+    axk1 = _default("axk1")           # one dense layer, then MoE layers
+    assert shrink_config(axk1, per_kind=2).num_hidden_layers == 3
+
+
+def test_a_width_named_by_another_sub_config_follows_its_width():
+    """BLT's local decoder reads the global transformer's states: its hidden_size_global is
+    global_config.hidden_size, before and after shrinking; a width equal to it by chance
+    (the patcher's intermediate_size) is not linked. Its hash vocabulary is a vocabulary."""
+    big = _default("blt")
+    assert big.decoder_config.hidden_size_global == big.global_config.hidden_size \
+        == big.patcher_config.intermediate_size
+    small = shrink_config(big)
+    width = small.global_config.hidden_size
+    assert width < big.global_config.hidden_size
+    assert small.decoder_config.hidden_size_global == small.encoder_config.hidden_size_global \
+        == width
+    assert small.patcher_config.intermediate_size == shrinker.WIDTH != width
+    assert small.encoder_hash_byte_group_vocab <= shrinker.WIDTH

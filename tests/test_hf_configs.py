@@ -117,3 +117,23 @@ def test_token_inputs_stay_below_the_vocabulary_and_turn_the_cache_off():
             return input_ids
 
     assert set(hf_configs.token_inputs(NoCache())) == {"input_ids"}
+
+
+def test_a_model_tying_a_layer_to_another_of_its_kind_is_built_from_two_of_each():
+    """Zamba ties every hybrid layer's shared transformer to the first one's and refuses a
+    model with one hybrid layer: the tiny model is retried with two layers of each kind."""
+    model = hf_configs.tiny_model("zamba")
+    assert model.config.layers_block_type.count("hybrid") == 2
+    logits = model(**hf_configs.token_inputs(model, seq_len=8)).logits
+    assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()
+
+
+def test_the_cache_is_turned_off_through_a_forward_that_passes_its_kwargs_on():
+    """GraniteMoeHybrid's causal LM takes ``**kwargs`` and hands them to its base model,
+    which takes ``use_cache``: with a cache on, its default (Mamba layers only, no attention)
+    fails asking the cache its length, so the flag goes through the kwargs."""
+    model = hf_configs.tiny_model("granitemoehybrid")
+    inputs = hf_configs.token_inputs(model, seq_len=8)
+    assert inputs["use_cache"] is False
+    logits = model(**inputs).logits
+    assert logits.shape[:2] == (1, 8) and torch.isfinite(logits).all()
