@@ -256,8 +256,8 @@ def _spy_ratios(calls: list[Call], sites: list) -> list[float]:
         return []
     ratios = []
     for call, site in zip(calls, sites):
-        if call.amax is None or not site.supported:
-            continue
+        if call.amax is None or not site.supported or site.bound_by == "measured":
+            continue          # a measured site has no bound before the call: the audit checks it
         bound = site_logit_bound(site).double().reshape(-1)
         amax = call.amax if call.amax.numel() == bound.numel() else call.amax.max().reshape(1)
         bound = bound if amax.numel() == bound.numel() else bound.max().reshape(1)
@@ -309,23 +309,29 @@ def _short(reason: str, width: int = 90) -> str:
     return reason if len(reason) <= width else reason[:width - 1] + "…"
 
 
-def _reasons(sites: list) -> dict[str, int]:
-    """Refusal reason -> sites refused for it; node numbering dropped (`score_13` → `score`)
-    so that the layers of one family share a reason."""
+def _reasons(sites: list, measured: bool = False) -> dict[str, int]:
+    """Refusal reason -> sites refused for it (``measured``: why the weights do not bound
+    the sites bounded by their measured q and k); node numbering dropped (`score_13` →
+    `score`) so that the layers of one family share a reason."""
     out: dict[str, int] = {}
     for s in sites:
-        if not s.supported:
-            reason = re.sub(r"`(\w+?)_\d+`", r"`\1`", s.reason)
-            out[reason] = out.get(reason, 0) + 1
+        if measured and s.bound_by == "measured":
+            reason = s.unbounded_reason
+        elif not measured and not s.supported:
+            reason = s.reason
+        else:
+            continue
+        reason = re.sub(r"`(\w+?)_\d+`", r"`\1`", reason)
+        out[reason] = out.get(reason, 0) + 1
     return out
 
 
 def _empty_row(model_type: str) -> dict:
     return {"model type": model_type, "built": False, "calls": None, "sites": None,
-            "supported": None, "silent": None, "checks spy/audit": None,
+            "supported": None, "measured": None, "silent": None, "checks spy/audit": None,
             "max obs/bound": None, "violations": None,
             "none==eager": None, "overflows": None, "seconds": None, "reasons": {},
-            "error": ""}
+            "measured reasons": {}, "error": ""}
 
 
 def _none_equals_eager(row: dict, model, inputs: dict, ref: torch.Tensor):
@@ -353,8 +359,9 @@ def backend_sites(wrapped) -> list:
     return sorted((r.site for r in done + skipped), key=lambda s: (s.graph, s.index))
 
 
-def sites_per_forward(model, inputs: dict) -> tuple[int, int]:
-    """Attention sites executed by one forward, and the supported ones among them: each
+def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
+    """Attention sites executed by one forward, the supported ones among them and those of
+    these bounded by their measured q and k (``AttentionSite.measured``): each
     Dynamo graph's sites times the number of times the graph ran (a graph break inside a
     layer makes Dynamo compile the layer's frame once and run that graph for every layer:
     one site, several calls)."""
@@ -374,12 +381,18 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int]:
     compiled = torch.compile(model, backend=counting, dynamic=False, isolate_recompiles=True)
     with torch.no_grad():
         compiled(**inputs)
-    executed = supported = 0
+    executed = supported = measured = 0
     for gm, example, runs in graphs:
-        sites = analyze_graph(gm, example)
+        sites = [_planned(s) for s in analyze_graph(gm, example)]
         executed += len(sites) * runs
         supported += sum(s.supported for s in sites) * runs
-    return executed, supported
+        measured += sum(s.bound_by == "measured" for s in sites) * runs
+    return executed, supported, measured
+
+
+def _planned(site):
+    """The site planning runs: a site the weights cannot bound, by its measured q and k."""
+    return site.measured if not site.supported and site.measured is not None else site
 
 
 def _audit(row: dict, model, inputs: list[dict]) -> list[float]:
@@ -424,12 +437,14 @@ def _run_family(row: dict, model_type: str) -> None:
         if isinstance(exc, _FamilyTimeout) or "_FamilyTimeout" in str(exc):
             raise
         row["error"] = f"scaling='none' wrapper: {type(exc).__name__}: {_last_line(exc)}"
-        sites = geoscale_fx.find_attention(model, **inputs[0])   # the view, without the backend
+        sites = [_planned(s) for s in geoscale_fx.find_attention(model, **inputs[0])]
     executed, supported = len(sites), sum(s.supported for s in sites)
+    measured = sum(s.bound_by == "measured" for s in sites)
     if executed < len(calls):      # one graph may run for several layers
-        executed, supported = sites_per_forward(model, inputs[0])
-    row.update({"sites": executed, "supported": supported,
-                "silent": max(0, len(calls) - executed), "reasons": _reasons(sites)})
+        executed, supported, measured = sites_per_forward(model, inputs[0])
+    row.update({"sites": executed, "supported": supported, "measured": measured,
+                "silent": max(0, len(calls) - executed), "reasons": _reasons(sites),
+                "measured reasons": _reasons(sites, measured=True)})
     spied = _spy_ratios(calls, sites) + _spy_ratios(_observe(model, inputs[1])[1], sites)
     _record_ratios(row, spied, [])       # kept if the audit raises
     if any(s.supported for s in sites):
@@ -473,7 +488,8 @@ def _table_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         reasons = "; ".join(f"{n}× {_short(k, 70)}" if n > 1 else _short(k, 70)
                             for k, n in r["reasons"].items())
-        cell = {k: v for k, v in r.items() if k not in ("reasons", "error")}
+        cell = {k: v for k, v in r.items() if k not in ("reasons", "measured reasons",
+                                                         "error")}
         cell["max obs/bound"] = (f"{r['max obs/bound']:.3g}" if r["max obs/bound"] is not None
                                  else None)
         cell["reasons"] = _short(r["error"], 110) if r["error"] else reasons
@@ -489,6 +505,7 @@ def summary(rows: list[dict]) -> dict:
     calls = sum(max(r["calls"], r["sites"]) for r in ran)
     return {"families": len(rows), "built": len(built), "ran": len(ran),
             "calls": calls, "supported": sum(r["supported"] for r in ran),
+            "measured": sum(r.get("measured") or 0 for r in ran),
             "supported %": 100 * sum(r["supported"] for r in ran) / calls if calls else 0.0,
             "silent misses": sum(r["silent"] for r in ran),
             "violations": sum(r["violations"] or 0 for r in ran),
@@ -499,7 +516,8 @@ def summary(rows: list[dict]) -> dict:
 
 def _summary_line(s: dict) -> str:
     return (f"{s['built']}/{s['families']} families built ({s['ran']} ran to the end); "
-            f"{s['supported']}/{s['calls']} attention calls supported ({s['supported %']:.1f}%); "
+            f"{s['supported']}/{s['calls']} attention calls supported ({s['supported %']:.1f}%; "
+            f"{s['measured']} of them bounded by their measured q and k); "
             f"{s['silent misses']} silent misses; {s['violations']} violations; "
             f"{s['none!=eager']} none≠eager; {s['overflows']} overflows; "
             f"{s['errors after build']} errors after build")
@@ -560,10 +578,14 @@ def _markdown(rows: list[dict], line: str, plot: str, seconds: float) -> str:
     table = tabulate(_table_rows(rows), headers="keys", tablefmt="github", missingval="")
     reasons = sorted({(k, r["model type"]) for r in rows for k in r["reasons"]})
     full = "\n".join(f"* `{t}`: {k}" for k, t in reasons) or "(none)"
+    measured = sorted({(k, r["model type"]) for r in rows for k in r.get("measured reasons", {})})
+    measured = "\n".join(f"* `{t}`: {k}" for k, t in measured) or "(none)"
     errors = "\n".join(f"* `{r['model type']}`: {r['error']}" for r in rows if r["error"])
     return (f"# geoscale over transformers' causal-LM families\n\ntorch {torch.__version__}, "
             f"B=1, T={SEQ_LEN}, {seconds:.0f} s in all.\n\n**Summary**: {line}\n\n{table}\n\n"
-            f"## Refusal reasons in full\n\n{full}\n\n## Errors\n\n{errors or '(none)'}\n\n"
+            f"## Refusal reasons in full\n\n{full}\n\n"
+            "## Bounded by their measured q and k: why the weights do not bound them\n\n"
+            f"{measured}\n\n## Errors\n\n{errors or '(none)'}\n\n"
             f"![{plot}]({plot})\n")
 
 

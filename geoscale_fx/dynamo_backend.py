@@ -31,7 +31,9 @@ from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.aten_trace import aten_graph
 from geoscale_fx.passes.graph_ops import parameter_name
 from geoscale_fx.passes.rewrite import rewrite
-from geoscale_fx.plan import SitePlan, Skip, burn_in_variant, plan_site, reuse_variant
+from geoscale_fx.plan import (
+    SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
+)
 from geoscale_fx.runtime import GraphRuntime, finalize_calibration
 from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import GeoscaleState, SiteState, site_key
@@ -71,7 +73,8 @@ class GeoscaleBackend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self.compiles += 1
         counters["geoscale"]["graphs"] += 1
-        sites = analyze_graph(gm, example_inputs, rope_bound=self.options.rope_bound)
+        sites = [runnable(s) for s in
+                 analyze_graph(gm, example_inputs, rope_bound=self.options.rope_bound)]
         counters["geoscale"]["sites_found"] += len(sites)
         if not sites:
             log.info("geoscale: no attention in this graph (%d nodes); compiled unchanged",
@@ -126,6 +129,11 @@ class GeoscaleBackend:
             if isinstance(result, Skip):
                 self._skip(site, result.reason, owners)
                 continue
+            if site.bound_by == "measured":
+                counters["geoscale"]["measured_sites"] += 1
+                log.warning("geoscale: attention %s (%s) is bounded by its q and k measured at "
+                            "every call, not from the weights: %s", site.name, site.node,
+                            site.unbounded_reason)
             if result.qkv_fallback:
                 counters["geoscale"]["fp8_qkv_fallback"] += 1
                 log.warning("geoscale: %s keeps the %s logit lowering instead of fp8_qkv: %s",

@@ -40,7 +40,7 @@ from geoscale_fx.site_terms import HeadWeights, Term
 from geoscale_fx.state import StateSpec
 
 __all__ = ["Estimator", "ExactSigma", "PowerSigma", "ExactNormProduct", "PowerNormProduct",
-           "ExactObservedKeys", "PowerObservedKeys", "make_estimator"]
+           "ExactObservedKeys", "PowerObservedKeys", "MeasuredOperands", "make_estimator"]
 
 _COLD_TOLERANCE = 1e-4
 _COLD_MAX_ITERS = 1000
@@ -296,6 +296,22 @@ class PowerObservedKeys(ExactObservedKeys):
                          self.cold_iters)
 
 
+class MeasuredOperands(ExactObservedKeys):
+    """Both sides observed (``passes.measured_sites``: the weights cannot bound q or k):
+    ``s·max_i‖q_h,i‖·max_j‖k_g(h),j‖``, both norms measured in the graph at every call
+    (``head_weights.observed_heads``). Nothing depends on the weights alone: no host refresh,
+    no cold start, and ``reuse`` measures again."""
+
+    def refresh(self, hw, state):
+        pass
+
+    def cold_start(self, hw, state, generator=None):
+        return 0
+
+    def reuse(self, values, state):
+        return self.bound(head_weights.term_head_weights(self.term, values.__getitem__), state)
+
+
 def make_estimator(term: Term, index: int, softmax_scale: float, *, granularity: str,
                    estimator: str, rope_bound: str, power_iters: int = 1,
                    cold_start_iters: int = 5) -> Estimator:
@@ -307,6 +323,9 @@ def make_estimator(term: Term, index: int, softmax_scale: float, *, granularity:
     prefix = "" if index == 0 else f"t{index}_"
     power = estimator == "power"
     kwargs = dict(iters=power_iters, cold_iters=cold_start_iters)
+    if term.q.observed:
+        return MeasuredOperands(term, prefix, softmax_scale, per_layer=granularity == "layer",
+                                **kwargs)
     if term.k.observed:
         cls = PowerObservedKeys if power else ExactObservedKeys
         return cls(term, prefix, softmax_scale, per_layer=granularity == "layer", **kwargs)

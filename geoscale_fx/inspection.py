@@ -41,11 +41,13 @@ from tabulate import tabulate
 from geoscale_fx import head_weights, hf_configs, logit_bounds, spectral
 from geoscale_fx.capture import find_attention
 from geoscale_fx.hf_configs import token_inputs
+from geoscale_fx.plan import runnable
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
 
 __all__ = ["LoadedModel", "load_model", "load_model_type", "site_rows", "sites_report", "main"]
 
 NO_WEIGHTS = "—"      # a bound column of a model without weights (meta device)
+PER_CALL = "per call"   # the bound of a site bounded by its measured q and k
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
@@ -147,6 +149,8 @@ def _sigma(site: AttentionSite) -> float:
 def _bound_columns(site: AttentionSite, with_bounds: bool) -> dict:
     if not site.supported:
         return {"σ": None, "bound": None, "certified": None}
+    if site.bound_by == "measured":
+        return {"σ": None, "bound": PER_CALL, "certified": site.certified}
     if not with_bounds:
         return {"σ": NO_WEIGHTS, "bound": NO_WEIGHTS, "certified": NO_WEIGHTS}
     bound = float(logit_bounds.site_logit_bound(site).max())
@@ -162,12 +166,14 @@ def site_rows(sites: list[AttentionSite], with_bounds: bool = True) -> list[dict
         rows.append({
             "#": s.index, "site": s.name, "kind": s.kind, "supported": s.supported,
             "heads q/kv": f"{s.n_q_heads}/{s.n_kv_heads}" if shape else None,
-            "d": s.model_dim if shape else None, "d_h": s.head_dim if shape else None,
+            "d": s.model_dim if shape and s.bound_by == "weights" else None, "d_h": s.head_dim if shape else None,
             "norm": s.norm if shape else None, "rope": s.rope if shape else None,
             "bias": any(t.q.bias is not None or t.k.bias is not None for t in s.terms)
             if shape else None,
             "scale": f"{s.softmax_scale:.4g}" if shape else None,
-            **_bound_columns(s, with_bounds), "reason": s.reason,
+            **_bound_columns(s, with_bounds),
+            "reason": s.reason or (f"measured: {s.unbounded_reason}" if s.unbounded_reason
+                                   else ""),
         })
     return rows
 
@@ -179,12 +185,16 @@ def sites_report(model: torch.nn.Module, inputs: dict, rope_bound: str = "norm_p
     """
     with_bounds = not any(p.is_meta for p in model.parameters())
     sites = [s.with_rope_bound(rope_bound) if s.supported else s
-             for s in find_attention(model, **inputs)]
+             for s in map(runnable, find_attention(model, **inputs))]
     if not sites:
         return "no attention found"
     rows = site_rows(sites, with_bounds)
     n_ok = sum(s.supported for s in sites)
     summary = f"{len(sites)} attention sites, {n_ok} supported"
+    n_measured = sum(s.bound_by == "measured" for s in sites)
+    if n_measured:
+        summary += (f" ({n_measured} bounded by their q and k measured at every call: the "
+                    "weights cannot bound them)")
     summary += (f", {sum(s.certified for s in sites)} with a certified bound" if with_bounds
                 else "; no weights (meta device): bounds need a saved model directory")
     if not with_bounds and n_ok < len(sites):

@@ -133,6 +133,10 @@ def site_logit_bound(site: AttentionSite, rope_bound: Optional[str] = None,
     if rope_bound not in ROPE_BOUNDS:
         raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
     site.require_values()
+    if site.bound_by == "measured":
+        raise ValueError(f"attention site {site.name!r} is bounded by its q and k measured at "
+                         "every call (the weights cannot bound it: "
+                         f"{site.unbounded_reason}); it has no bound before the call")
     if term_weights is None:
         term_weights = site_term_weights(site)
     total = sum(term_logit_bound(site, term, hw, rope_bound)

@@ -32,8 +32,8 @@ from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
 from geoscale_fx.site_model import AttentionSite, is_certified
 from geoscale_fx.state import StateSpec
 
-__all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "burn_in_variant", "reuse_variant",
-           "qkv_fallback_reason"]
+__all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "runnable", "burn_in_variant",
+           "reuse_variant", "qkv_fallback_reason"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,9 @@ def qkv_fallback_reason(site: AttentionSite) -> str:
     if site.kind != "sdpa":
         return (f"{site.kind} attention ({site.node}): fp8_qkv replaces SDPA calls; the "
                 "model's own attention keeps the in-place logit lowering")
+    if site.bound_by == "measured":
+        return ("its q and k are bounded by their norms measured at every call (the weights "
+                "cannot bound them), and fp8_qkv needs descales predicted from the weights")
     if site.value is None and not site.cached_keys:   # cached values: OperandScaling.reads
         return f"the values could not be traced to their projection ({site.value_reason})"
     others = sorted({m.kind for m in site.modifiers if m.kind != "mask"})
@@ -157,9 +160,17 @@ def _qkv_kernel(site: AttentionSite, options: GeoscaleOptions,
     return ("emulated", "; ".join(reasons)) if reasons else ("fa3", "")
 
 
+def runnable(site: AttentionSite) -> AttentionSite:
+    """The site a plan runs: one the weights cannot bound, bounded by its measured q and k
+    (``site.measured``) when that applies; ``site`` itself otherwise."""
+    return site.measured if not site.supported and site.measured is not None else site
+
+
 def plan_site(site: AttentionSite, options: GeoscaleOptions, key: str,
               ctx: GraphContext) -> SitePlan | Skip:
-    """A plan for ``site``, or why it is left as is."""
+    """A plan for ``site``, or why it is left as is (a site the weights cannot bound runs
+    bounded by its measured q and k when it can: ``runnable``)."""
+    site = runnable(site)
     if not site.supported:
         return Skip(site, site.reason)
     if site.kind in ("mha", "encoder_layer"):

@@ -35,6 +35,18 @@ from geoscale_fx.site_model import is_certified
 
 __all__ = ["Report", "report", "site_records"]
 
+
+def _note(plan) -> str | None:
+    """What a row's numbers do not say: a bound from the measured q and k, an fp8_qkv
+    fallback."""
+    notes = []
+    if plan.site.bound_by == "measured":
+        notes.append("bound from q, k measured every call (the weights cannot bound it: "
+                     f"{plan.site.unbounded_reason})")
+    if plan.qkv_fallback:
+        notes.append(f"fp8_qkv not applied: {plan.qkv_fallback}")
+    return "; ".join(notes) or None
+
 _COLUMNS = ("site", "head", "tp", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
             "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
@@ -167,8 +179,7 @@ def _rows(record: SiteRecord, per_head: bool) -> list[dict]:
             "steps": int(values["steps"]),
             "cached_steps": int(values["cached_steps"]) if "cached_steps" in values else 0,
             "certified": _certified(record),
-            "note": (f"fp8_qkv not applied: {plan.qkv_fallback}" if plan.qkv_fallback
-                     else None),
+            "note": _note(plan),
         })
     return rows
 

@@ -80,7 +80,7 @@ class GraphRuntime:
             isinstance(v, torch.SymInt) for n in placeholders
             for v in [n.meta.get("example_value")])
         self.bind = bind
-        self.owner_index = _owner_index(gm, plans)
+        self.owner_index = _owner_index(gm, plans, self.kinds)
         self.key_trust = KeyNormTrust(gm, plans)
         self._slots: dict[int, list[int]] = {}
         self.remeasured_caches = 0   # calls whose cached keys were measured on the host
@@ -252,14 +252,15 @@ def _bound_parameter_positions(gm: GraphModule, plans: list[SitePlan], placehold
     return [i for i, n in enumerate(placeholders) if n in found]
 
 
-def _owner_index(gm: GraphModule, plans: list[SitePlan]) -> int | None:
-    """Position among the graph's inputs of the first parameter placeholder a site reads."""
+def _owner_index(gm: GraphModule, plans: list[SitePlan], kinds: ValueKinds) -> int | None:
+    """Position among the graph's inputs of the first parameter placeholder a site reads
+    (a site bounded by its measured q and k may read none)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {n.name: n for n in gm.graph.nodes}
     for plan in plans:
         for name in plan.site.weight_nodes:
             for node in upstream([by_name[name]]):
-                if node.op == "placeholder":
+                if node.op == "placeholder" and kinds.is_param(node):
                     return placeholders.index(node)
     return None
 

@@ -77,6 +77,14 @@ class AttentionSite:
     #: tensor parallel: the query heads this rank holds (``passes.dtensor.HeadShard``); the
     #: features above index the local weight shards
     shard: Optional[object] = None
+    #: "weights": the bound is computed from the parameters (the method); "measured": the
+    #: weights cannot bound q or k (``unbounded_reason`` says why), so both are bounded by
+    #: their norms measured in the graph at every call (``passes.measured_sites``)
+    bound_by: str = "weights"
+    unbounded_reason: str = ""
+    #: a site the weights cannot bound (``supported=False``): the same site bounded by its
+    #: measured operands, which planning runs instead (None: not even that applies)
+    measured: Optional["AttentionSite"] = None
     _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
                                                               compare=False)
 
@@ -134,14 +142,14 @@ class AttentionSite:
     @property
     def cached_keys(self) -> bool:
         """Some keys are read from a cache (a decode step), bounded by their actual norms."""
-        return any(t.k.observed for t in self.terms)
+        return self.bound_by == "weights" and any(t.k.observed for t in self.terms)
 
     @property
     def parameter_nodes(self) -> tuple[str, ...]:
-        """``weight_nodes`` without the observed keys (activations): what the site's
+        """``weight_nodes`` without the observed operands (activations): what the site's
         parameters are computed from."""
-        observed = {n for t in self.terms if t.k.observed
-                    for n in (t.k.source.node, *(f for f, _ in t.k.observed_fresh))}
+        observed = {n for t in self.terms for side in (t.q, t.k) if side.observed
+                    for n in (side.source.node, *(f for f, _ in side.observed_fresh))}
         return tuple(n for n in self.weight_nodes if n not in observed)
 
     def modifier(self, kind: str) -> Optional[Modifier]:
@@ -207,4 +215,6 @@ def is_certified(site: AttentionSite, options: Optional["GeoscaleOptions"] = Non
                       and isinstance(options.alpha, (int, float)) and options.alpha >= 1.0)
     if not per_head_proof:
         return False
-    return steps is None or options.estimator == "exact" or float(steps) <= 1
+    # measured operands: the exact norms every call, whatever the estimator
+    return steps is None or options.estimator == "exact" or float(steps) <= 1 or \
+        site.bound_by == "measured"

@@ -275,15 +275,28 @@ def test_a_model_without_attention_compiles_unchanged_with_a_log_line(caplog):
 
 
 def test_unsupported_sites_are_left_as_is_with_a_warning(caplog):
+    from tests.attention_variants import RawQueryIsInput
+
+    model = RawQueryIsInput().eval()
+    x = torch.randn(B, L, D)
+    with caplog.at_level(logging.WARNING, logger="geoscale_fx"), torch.no_grad():
+        compiled, be = _compile(model)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert "left as is" in caplog.text and "graph input `l_x_`" in caplog.text
+    assert be.records == {} and len(be.skipped) == 1
+
+
+def test_sites_the_weights_cannot_bound_run_on_measured_norms_with_a_warning(caplog):
     from tests.attention_variants import Unnormalized
 
     model = Unnormalized().eval()
     x = torch.randn(B, L, D)
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"), torch.no_grad():
         compiled, be = _compile(model)
-        torch.testing.assert_close(compiled(x), model(x))
-    assert "left as is" in caplog.text and "no normalization" in caplog.text
-    assert be.records == {} and len(be.skipped) == 1
+        compiled(x)
+    assert "measured at every call" in caplog.text and "no normalization" in caplog.text
+    (record,) = be.records.values()
+    assert record.site.bound_by == "measured" and be.skipped == []
 
 
 def test_no_graph_break_added():

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.families import Spy, backend_sites, family_row, sites_per_forward, summary
+from bench.families import (
+    Spy, _reasons, backend_sites, family_row, sites_per_forward, summary,
+)
 
 pytest.importorskip("transformers")
 
@@ -138,14 +140,26 @@ def test_backend_sites_are_the_sites_find_attention_finds(model_type):
     assert len(expected) == 2
 
 
-def test_a_refused_family_is_listed_with_its_reason_not_as_a_silent_miss():
-    row = family_row("cpmant", timeout=120)          # CPM-Ant: P is masked after the softmax
+def test_a_family_the_weights_cannot_bound_runs_on_measured_norms_and_says_why():
+    row = family_row("xlnet", timeout=120)       # XLNet: a bias on the projected query
     assert row["error"] == "" and row["built"]
-    assert (row["calls"], row["sites"], row["supported"], row["silent"]) == (2, 2, 0, 0)
-    [(reason, count)] = row["reasons"].items()
-    assert count == 2 and "never multiply values" in reason
-    assert row["checks spy/audit"] == "0/0" and row["violations"] == 0
+    assert (row["calls"], row["sites"], row["supported"], row["measured"], row["silent"]) == \
+        (2, 2, 2, 2, 0)
+    assert row["reasons"] == {} and sum(row["measured reasons"].values()) == 2
+    assert int(row["checks spy/audit"].split("/")[1]) > 0 and row["violations"] == 0
     assert row["none==eager"] is True and row["overflows"] == 0
+
+
+def test_refused_sites_are_listed_by_reason_with_node_numbers_dropped():
+    from geoscale_fx.site_model import AttentionSite
+
+    why = "`score_{}` is a softmax over `matmul_{}`, but its probabilities never multiply values"
+    sites = [AttentionSite(name=f"l{i}", index=i, kind="explicit", node=f"score_{i}",
+                           reason=why.format(i, i)) for i in (3, 14)]
+    measured = AttentionSite(name="m", index=2, kind="sdpa", node="sdpa", supported=True,
+                             bound_by="measured", unbounded_reason="no normalization")
+    assert _reasons(sites + [measured]) == {why.replace("_{}", ""): 2}
+    assert _reasons(sites + [measured], measured=True) == {"no normalization": 1}
 
 
 def test_an_unbuildable_family_is_a_row_with_the_reason():
@@ -196,4 +210,4 @@ def test_a_graph_run_for_several_layers_counts_its_sites_once_per_run():
         model(x)
     assert len(spy.calls) == 3
     assert len(geoscale_fx.find_attention(model, x)) == 2
-    assert sites_per_forward(model, {"x": x}) == (3, 3)
+    assert sites_per_forward(model, {"x": x}) == (3, 3, 0)

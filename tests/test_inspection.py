@@ -234,3 +234,12 @@ def test_zoo_names_from_a_checkout(capsys):
     assert len(rows) == 4 and {r["heads q/kv"] for r in rows} == {"8/1"}
     assert all(math.isfinite(float(r["bound"])) for r in rows)
 
+
+
+def test_a_site_bounded_by_its_measured_operands_says_so():
+    """No norm before the projections: supported, bounded per call, and why."""
+    from tests.attention_variants import Unnormalized
+
+    text = inspection.sites_report(Unnormalized().eval(), {"x": torch.randn(2, 8, 64)})
+    assert "per call" in text and "measured: no normalization before the projection" in text
+    assert "1 attention sites, 1 supported (1 bounded by their q and k measured" in text

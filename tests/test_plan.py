@@ -294,3 +294,29 @@ def test_burn_in_variant_of_an_explicit_plan_stays_explicit():
     burn = burn_in_variant(plan)
     assert burn.lowering == "explicit" and burn.calibrating
     assert burn.lowering_reason == plan.lowering_reason
+
+
+def _measured_site() -> AttentionSite:
+    """A site the weights cannot bound, carrying its form bounded by measured q and k."""
+    def observed(name, n):
+        return Side(Source("measured", name, 1), None, "observed",
+                    tuple((h,) for h in range(n)), observed_axes=(1, 3))
+    measured = _site(terms=(Term(observed("q", NQ), observed("k", NKV)),),
+                     bound_by="measured", unbounded_reason="no normalization before `q_proj`")
+    return _site(supported=False, reason="no normalization before `q_proj`",
+                 measured=measured)
+
+
+def test_a_site_the_weights_cannot_bound_is_planned_on_its_measured_operands():
+    site = _measured_site()
+    plan = _plan(site)
+    assert isinstance(plan, SitePlan) and plan.site is site.measured
+    assert plan.certified and plan.site.cached_keys is False
+    assert plan.site.parameter_nodes == ()          # q and k are activations
+    (estimator,) = plan.policy.estimators
+    assert type(estimator).__name__ == "MeasuredOperands"
+
+
+def test_fp8_qkv_on_a_measured_site_falls_back_with_the_reason():
+    plan = _plan(_measured_site(), lowering="fp8_qkv")
+    assert plan.lowering != "fp8_qkv" and "measured at every call" in plan.qkv_fallback

@@ -6,8 +6,10 @@ backend run on the graph Dynamo captured. It never modifies ``gm``.
 Each candidate ``find_sites`` returns goes to the analyzer of its kind (``ANALYZERS``): a
 function ``(Candidate, ValueKinds, evaluator, NodeOrder) -> dict`` of ``AttentionSite``
 fields, or ``Unsupported`` whose message — naming the graph node — becomes the site's
-``reason`` (the site is then left in high precision). A new attention form is a new kind in
-``find_sites`` and one entry here.
+``reason``. Such a site of a kind whose q and k are named (``MEASURABLE``) carries in
+``measured`` the same site bounded by its operands' norms measured at every call
+(``passes.measured_sites``), which planning runs; otherwise it is left in high precision.
+A new attention form is a new kind in ``find_sites`` and one entry here.
 
 Example::
 
@@ -28,6 +30,7 @@ from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import find_candidates
 from geoscale_fx.passes.graph_ops import ValueKinds, module_path, op_of
 from geoscale_fx.passes.index_track import Unsupported
+from geoscale_fx.passes.measured_sites import measured_fields
 from geoscale_fx.passes.opaque_attention import analyze_encoder_layer, analyze_mha
 from geoscale_fx.passes.traced_operands import analyze_operands
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
@@ -43,6 +46,10 @@ ANALYZERS = {
     "mha": analyze_mha,
     "encoder_layer": analyze_encoder_layer,
 }
+
+#: candidate kinds whose q and k operands are named: when the weights cannot bound them,
+#: their measured norms can (``passes.measured_sites``)
+MEASURABLE = ("sdpa", "explicit")
 
 
 def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index: int = 0,
@@ -75,12 +82,31 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
             fields = ANALYZERS[cand.kind](cand, kinds, evaluator, order)
             site = AttentionSite(**base, supported=True, _resolve=resolve, **fields)
         except Unsupported as exc:
+            measured = _measured(cand, kinds, exc, base, resolve)
             site = AttentionSite(**base, supported=False, reason=str(exc),
-                                 is_causal=cand.is_causal, has_mask=cand.has_mask)
-            log.info("geoscale: attention %s (%s) left as is: %s", site.name, site.node,
-                     site.reason)
+                                 is_causal=cand.is_causal, has_mask=cand.has_mask,
+                                 measured=measured)
+            if measured is None:
+                log.info("geoscale: attention %s (%s) left as is: %s", site.name, site.node,
+                         site.reason)
+            else:
+                log.info("geoscale: attention %s (%s) is bounded by its measured q and k: "
+                         "%s", site.name, site.node, site.reason)
         sites.append(site)
     return sites
+
+
+def _measured(cand, kinds, why: Unsupported, base: dict, resolve) -> AttentionSite | None:
+    """The site bounded by its operands' measured norms (``passes.measured_sites``), for
+    the kinds whose operands are named and a softmax that is attention (no ``failure``)."""
+    if cand.kind not in MEASURABLE or cand.failure:
+        return None
+    try:
+        fields = measured_fields(cand, kinds, why)
+    except Unsupported as exc:
+        log.debug("geoscale: %s not measured either: %s", cand.node.name, exc)
+        return None
+    return AttentionSite(**base, supported=True, _resolve=resolve, **fields)
 
 
 class NodeOrder(dict):
