@@ -243,17 +243,21 @@ def _tp_per_layer_placements_collectives(rank, world):
     assert counts["plain"] and counts["head"] and set(counts["head"]) == set(counts["plain"]), \
         counts
     assert counts["layer"] and set(counts["layer"]) == {c + 1 for c in counts["plain"]}, counts
-    # q sharded on d_model (rowwise q): no rank holds a whole head -> left as is, clearly
+    # q sharded on d_model (rowwise q): no rank holds a whole head's weights -> the weights
+    # do not bound it, clearly; the rank's own q and k are measured instead
     before = dict(counters["geoscale"])
     model = _parallelize(_gpt(), mesh, _tp_plan(rowwise_qkv=True))
     backend = geoscale_fx.compile_blocks(model, model.transformer.h, compiler="aot_eager")
     with torch.no_grad():
         model(x)
-    assert not backend.records
-    reasons = [r.note or r.site.reason for r in backend.skipped]
+    assert not backend.skipped and backend.records
+    reasons = [r.site.unbounded_reason for r in backend.records.values()]
+    assert all(r.site.bound_by == "measured" for r in backend.records.values())
     assert reasons and all("Shard(dim=2)" in r and "model dimension d" in r
                            for r in reasons), reasons
-    assert counters["geoscale"]["left_as_is"] - before.get("left_as_is", 0) == len(reasons)
+    assert counters["geoscale"]["left_as_is"] == before.get("left_as_is", 0)
+    assert counters["geoscale"]["measured_sites"] - before.get("measured_sites", 0) == \
+        len(reasons)
 
 
 def test_tensor_parallel_per_layer_max_collectives_and_unsupported_placement():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from geoscale_fx.passes.candidate import Candidate
+from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.graph_ops import ValueKinds, shape_of
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.site_fields import site_fields
@@ -36,6 +37,9 @@ def measured_fields(cand: Candidate, kinds: ValueKinds, why: Unsupported) -> dic
     """``AttentionSite`` fields bounding ``cand`` by its operands' measured norms (see the
     module); ``Unsupported`` (with ``why`` and the layout found) when they cannot be
     measured per head."""
+    if dtensor_of(cand.query) is not None or dtensor_of(cand.key) is not None:
+        raise Unsupported(f"{why} — and its operands are DTensors (a global view: their "
+                          "norms are not measured on the local shards)")
     q_axes, q_shape = _axes(cand, "query", why)
     k_axes, k_shape = _axes(cand, "key", why)
     n_q, n_k = q_shape[q_axes[0]], k_shape[k_axes[0]]
