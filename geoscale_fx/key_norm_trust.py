@@ -19,8 +19,10 @@ that measurement before the graph runs. So the bound holds for whatever the cach
 a decode loop pays O(new tokens) per step.
 
 The runtime's fast path: when its own record holds every running maximum and every past
-cache of this call (``watched`` against ``check_slots``), nothing changed since its last call
-and this graph is still the owner, so neither ``before`` nor ``after`` has anything to do.
+cache of this call (``holds``: ``watched`` against ``check_slots``), nothing changed since its
+last call and this graph is still the owner, so neither ``before`` nor ``after`` has anything
+to do; ``recorded`` brings the record up to date after the call (without stored keys, as for
+a StaticCache, the same tensors written in place: only their versions are read again).
 
 A write through ``.data`` bypasses version counters and is not seen (as for the weights: see
 the README's inference section); inference-mode tensors keep no version counter, so their
@@ -138,6 +140,25 @@ class KeyNormTrust:
     def watched(self, args: Sequence[Any], runnings: Sequence[torch.Tensor]) -> list:
         """Before a call: the running maxima and the past caches (``check_slots`` order)."""
         return [*runnings, *[args[i] for i in self._past]]
+
+    def holds(self, args: Sequence[Any], runnings: Sequence[torch.Tensor],
+              record: VersionRecord) -> bool:
+        """Before a call: ``record`` (this graph's, as ``after`` left it) holds every running
+        maximum and every past cache of this call, unchanged (true when there are none)."""
+        if not self.entries:
+            return True
+        return self.check_slots is not None and \
+            record.holds(self.watched(args, runnings), self.check_slots)
+
+    def recorded(self, args: Sequence[Any], out: Any, runnings: Sequence[torch.Tensor],
+                 record: VersionRecord) -> None:
+        """After a call that ``holds`` let through: ``record`` as ``kept`` would give it.
+        Without stored keys the kept tensors are the watched ones, in the record's order
+        (``check_slots`` is then every slot): their versions are read again, nothing else."""
+        if self._stored:
+            record.update(self.kept(args, out, runnings))
+        elif self.entries:
+            record.reread()
 
     def kept(self, args: Sequence[Any], out: Any, runnings: Sequence[torch.Tensor]) -> list:
         """After a call: the running maxima, the past caches and the stored keys."""

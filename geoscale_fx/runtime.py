@@ -18,7 +18,9 @@ raises (e.g. its non-finite-bound assertion), check the sites' weights on the ho
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -53,13 +55,32 @@ class _Lazy:
         return self._value
 
 
+class _Binding:
+    """One module's states in a graph, and what its last call left: ``signature``, the
+    weights' at the last refresh (None: compare them next call); ``weights``, a record of
+    them; ``record``, of the running key maxima and caches (``KeyNormTrust``'s layout)."""
+
+    __slots__ = ("states", "tensors", "signature", "weights", "record", "runnings")
+
+    def __init__(self, plans: list[SitePlan], states: list[SiteState]):
+        self.states = states
+        self.tensors = [t for p, s in zip(plans, states) for t in s.tensors(p.state_names)]
+        self.signature: list | None = None
+        self.weights, self.record = VersionRecord(), VersionRecord()
+        self.runnings: list[torch.Tensor] | None = None
+
+
 class GraphRuntime:
     """The callable returned to Dynamo for one graph with rewritten sites.
 
     One graph may serve several modules: Dynamo reuses a per-block compile for every block
     of the same code (parameters are graph inputs). Each module's parameters (the *owner*:
     the first parameter a site reads) get their own states, bound on the first call that
-    passes them (``bind(args)`` creates them, cold); a call costs one identity lookup.
+    passes them (``bind(args)`` creates them, cold); a call costs one ``id`` lookup.
+
+    Fast path (inference): while every weight the bounds read, running key maximum and past
+    cache is the tensor the binding's last call left, unwritten (``VersionRecord``), nothing
+    is refreshed nor re-measured.
     """
 
     def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], plans: list[SitePlan],
@@ -69,24 +90,25 @@ class GraphRuntime:
         self.gm, self.plans, self.states = gm, plans, states
         self.kinds = ValueKinds(gm.graph, example_inputs)
         self.by_name = {n.name: n for n in gm.graph.nodes}
-        self.tensors = [t for p, s in zip(plans, states) for t in s.tensors(p.state_names)]
         self.variants = {name: _Lazy(build) for name, build in variants.items()}
+        self._main = "reuse" if "reuse" in self.variants else "predict"
+        self._auto_alpha = any(p.options.alpha == "auto" for p in plans)
         self.calib_steps = calib_steps
         self.on_run = on_run
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.param_positions = _bound_parameter_positions(gm, plans, placeholders, self.kinds)
-        self.full_steps = self.reused_steps = 0
+        self.full_steps = self.reused_steps = 0   # calls that refreshed the bound or not
+        self.fast_steps = 0     # of the reused ones, those that checked nothing else (fast path)
         self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs) or any(
             isinstance(v, torch.SymInt) for n in placeholders
             for v in [n.meta.get("example_value")])
         self.bind = bind
         self.owner_index = _owner_index(gm, plans, self.kinds)
         self.key_trust = KeyNormTrust(gm, plans)
-        self._slots: dict[int, list[int]] = {}
         self.remeasured_caches = 0   # calls whose cached keys were measured on the host
-        # owner tensor → (states, tensors, memo: the weights of its last full step)
-        self.bound = WeakIdKeyDictionary()
-        self._own = (states, self.tensors, {"weights": None, "record": VersionRecord()})
+        self.bound = WeakIdKeyDictionary()          # owner tensor → its _Binding
+        self._by_id: dict[int, tuple[weakref.ref, _Binding]] = {}   # its per-call cache
+        self._own = _Binding(plans, states)
         if self.owner_index is not None and self.owner_index < len(example_inputs):
             self.bound[example_inputs[self.owner_index]] = self._own
 
@@ -94,7 +116,7 @@ class GraphRuntime:
     def main(self) -> str:
         """The variant every call runs once auto-α's burn-in is over: ``reuse`` (inference:
         the weights' part of the bound refreshed on the host) or ``predict``."""
-        return "reuse" if "reuse" in self.variants else "predict"
+        return self._main
 
     def warm_up(self) -> None:
         """Compile the variant the next call uses now (compile errors surface here), and with
@@ -106,76 +128,90 @@ class GraphRuntime:
             for variant in self.variants.values():
                 variant.get()
 
-    def _states_for(self, args) -> tuple[list[SiteState], list[torch.Tensor], dict]:
+    def _binding(self, args) -> _Binding:
         if self.owner_index is None or self.bind is None:
             return self._own
         owner = args[self.owner_index]
+        hit = self._by_id.get(id(owner))
+        if hit is not None and hit[0]() is owner:   # alive, so its id is its own
+            return hit[1]
         found = self.bound.get(owner)
         if found is None:
-            states = self.bind(args)
-            found = (states, [t for p, s in zip(self.plans, states)
-                              for t in s.tensors(p.state_names)],
-                     {"weights": None, "record": VersionRecord()})
+            found = _Binding(self.plans, self.bind(args))
             self.bound[owner] = found
             log.info("geoscale: a compiled graph serves another module: state %s",
-                     [s.key for s in states])
+                     [s.key for s in found.states])
+        by_id, key = self._by_id, id(owner)
+        # the entry leaves with its owner (it holds the owner's states)
+        drop = lambda ref: by_id.get(key, (None,))[0] is ref and by_id.pop(key)  # noqa: E731
+        with contextlib.suppress(TypeError):   # else looked up in ``bound`` every call
+            by_id[key] = (weakref.ref(owner, drop), found)
         return found
 
     def __call__(self, *args):
-        states, tensors, memo = self._states_for(args)
-        cold = [(p, s) for p, s in zip(self.plans, states) if s.cold]
-        if cold:
-            self._cold_start(args, cold)
-            memo["weights"] = None
-        burn_in = self.calibrating(states)
-        variant = "burn_in" if burn_in else self.main
-        reuse = variant == "reuse"
-        trust, record = self.key_trust, memo["record"]
-        runnings = memo.get("runnings")
-        if runnings is None:
-            runnings = memo["runnings"] = trust.runnings(states)
-        weights = [args[i] for i in self.param_positions] if reuse else []
-        # fast path: this binding's last call left every weight, running key maximum and
-        # cache as they are now: no refresh, no trust check (``version_record``)
-        unchanged = trust.check_slots is not None and memo["weights"] is not None and \
-            record.holds([*weights, *trust.watched(args, runnings)],
-                         self._check_slots(len(weights)))
-        refresh = False
-        if not unchanged:
-            if reuse:
-                signature = self.weights_signature(args)
-                refresh = signature is None or signature != memo["weights"]
-                if refresh:
-                    self._refresh(args, states)
-                    memo["weights"] = signature
-            self.remeasured_caches += trust.before(args, states)
-        compiled = self.variants[variant].get()
+        binding = self._binding(args)
+        if binding.signature is not None and self._unchanged(args, binding):
+            out = self._run("reuse", args, binding)
+            self.key_trust.recorded(args, out, binding.runnings, binding.record)
+            self.reused_steps += 1
+            self.fast_steps += 1
+            self.on_run()
+            return out
+        return self._full_call(args, binding)
+
+    def _unchanged(self, args, binding: _Binding) -> bool:
+        """No site cold, no burn-in, and every weight, running key maximum and cache is as
+        this binding's last inference call left it: no refresh, no trust check to do."""
+        for state in binding.states:
+            if state.cold:
+                return False
+        return self._main == "reuse" and not (self._auto_alpha and
+                                              self.calibrating(binding.states)) and \
+            binding.weights.holds_args(args, self.param_positions) and \
+            self.key_trust.holds(args, binding.runnings, binding.record)
+
+    def _run(self, variant: str, args, binding: _Binding):
         try:
-            out = compiled(*args, *tensors)
+            return self.variants[variant].get()(*args, *binding.tensors)
         except RuntimeError:
             self.diagnose(args)  # an in-graph assertion: name the parameter if it is one
             raise
-        record.update([*weights, *trust.kept(args, out, runnings)],
-                      start=len(weights) if unchanged else 0)
-        if not unchanged:
-            trust.after(args, out, states, record, offset=len(weights))
+
+    def _full_call(self, args, binding: _Binding):
+        """Cold start, refresh, re-measure of untrusted caches, each if needed; the graph."""
+        states, trust, record = binding.states, self.key_trust, binding.record
+        if any(s.cold for s in states):
+            self._cold_start(args, [(p, s) for p, s in zip(self.plans, states) if s.cold])
+            binding.signature = None
+        burn_in = self._auto_alpha and self.calibrating(states)
+        variant = "burn_in" if burn_in else self._main
+        reuse = variant == "reuse"
+        if binding.runnings is None:
+            binding.runnings = trust.runnings(states)
+        refresh = False
+        if reuse:
+            signature = self.weights_signature(args)
+            refresh = signature is None or signature != binding.signature
+            if refresh:
+                self._refresh(args, states)
+            binding.signature = signature
+        if trust.entries:
+            self.remeasured_caches += trust.before(args, states)
+        out = self._run(variant, args, binding)
+        if reuse:
+            binding.weights.update([args[i] for i in self.param_positions])
+        if trust.entries:
+            record.update(trust.kept(args, out, binding.runnings))
+            trust.after(args, out, states, record)
         if burn_in:
             self._count_burn_in(states)
-            memo["weights"] = None        # the burn-in graph computed the bound in the graph
+            binding.signature = None     # the burn-in graph computed the bound in the graph
         if reuse and not refresh:
             self.reused_steps += 1
         else:
             self.full_steps += 1
         self.on_run()
         return out
-
-    def _check_slots(self, n_weights: int) -> list[int]:
-        """The record's slots the fast path compares: the weights, then ``key_trust``'s."""
-        slots = self._slots.get(n_weights)
-        if slots is None:
-            slots = self._slots[n_weights] = [
-                *range(n_weights), *(n_weights + s for s in self.key_trust.check_slots)]
-        return slots
 
     def weights_signature(self, args) -> list | None:
         """Which parameter tensors the bounds read, and their in-place version counters: equal
@@ -221,7 +257,7 @@ class GraphRuntime:
 
     def calibrating(self, states: list[SiteState]) -> bool:
         """Auto-α: whether any site of this graph is still in its burn-in (host mirror)."""
-        if not any(p.options.alpha == "auto" for p in self.plans):
+        if not self._auto_alpha:
             return False
         for state in states:
             if state.calib_seen is None:  # one read after creation or a checkpoint load

@@ -12,6 +12,7 @@ from geoscale_fx.estimators import ExactObservedKeys, ExactSigma
 from geoscale_fx.head_weights import key_head_norms
 from geoscale_fx.key_norm_trust import KeyNormTrust
 from geoscale_fx.site_terms import Side, Source, Term
+from geoscale_fx.version_record import VersionRecord
 
 AXES = (1, 3)
 
@@ -80,3 +81,83 @@ def test_a_graph_without_incremental_keys_has_nothing_to_do():
         assert trust.entries == [] and trust.before([_cache(), _cache()], states) == 0
         trust.after([_cache(), _cache()], (_cache(),), states)
         assert float(state.key_norm_max.sum()) == 0.0
+
+
+def _static_trust():
+    """As ``_trust``, for a graph that writes the cache in place and returns no key (a
+    StaticCache): nothing stored, the next call's past is this call's."""
+    g = Graph()
+    past, new = g.placeholder("past"), g.placeholder("new")
+    key = g.call_function(torch.cat, ([past, new], 2), name="key")
+    g.output((g.call_function(torch.neg, (key,)),))
+    plan = types.SimpleNamespace(policy=types.SimpleNamespace(
+        estimators=[ExactObservedKeys(Term(_query(), _keys()), "", 1.0)]))
+    state = types.SimpleNamespace(key_norm_max=torch.zeros(2))
+    return KeyNormTrust(GraphModule(torch.nn.Module(), g), [plan]), [state], state
+
+
+def _graph_call(trust, states, state, args, record, fast=False):
+    """What the runtime does around one call, with the graph's in-place writes: the new
+    keys into the cache's first slot, the running maximum raised to them."""
+    runnings = trust.runnings(states)
+    if not fast:
+        trust.before(args, states)
+    past, new = args
+    with torch.no_grad():
+        past[:, :, :1].copy_(new[:, :, :1])
+        state.key_norm_max.copy_(torch.maximum(state.key_norm_max,
+                                               key_head_norms(past, AXES)))
+    out = (torch.cat([past, new], 2),)
+    if fast:
+        trust.recorded(args, out, runnings, record)
+    else:
+        record.update(trust.kept(args, out, runnings))
+        trust.after(args, out, states, record)
+    return out
+
+
+def test_the_fast_check_holds_until_the_cache_or_the_maximum_changes():
+    trust, states, state = _static_trust()
+    assert trust.entries[0].outputs == () and trust.check_slots == [0, 1]
+    record, past, new = VersionRecord(), _cache(), _cache(seed=1)
+    args = [past, new]
+    _graph_call(trust, states, state, args, record)
+    runnings = trust.runnings(states)
+    assert trust.holds(args, runnings, record)
+    for _ in range(2):                                   # fast calls: the versions re-read
+        _graph_call(trust, states, state, args, record, fast=True)
+        assert trust.holds(args, runnings, record)
+        assert trust.before(args, states) == 0           # and the owner still covers it
+    past.mul_(5.0)                                       # the user edits the cache
+    assert not trust.holds(args, runnings, record)
+    _graph_call(trust, states, state, args, record)
+    assert trust.holds(args, runnings, record)
+    assert not trust.holds([past.clone(), new], runnings, record)   # another cache
+    state.key_norm_max.add_(1.0)                         # another writer of the maximum
+    assert not trust.holds(args, runnings, record)
+
+
+def test_the_fast_check_follows_the_stored_keys_of_a_concatenating_graph():
+    """A DynamicCache: the next call's past is the key this call returned; ``recorded``
+    records it, and the call after that holds only for the new one."""
+    trust, states, state = _trust(ExactObservedKeys(Term(_query(), _keys()), "", 1.0))
+    record, runnings = VersionRecord(), trust.runnings(states)
+    past = _cache()
+    trust.before([past, _cache(seed=1)], states)
+    out = (torch.cat([past, _cache(seed=1)], 2),)
+    record.update(trust.kept([past, _cache(seed=1)], out, runnings))
+    trust.after([past, _cache(seed=1)], out, states, record)
+    args = [out[0], _cache(seed=2)]
+    assert trust.holds(args, runnings, record) and not trust.holds([past, args[1]],
+                                                                     runnings, record)
+    out2 = (torch.cat(args, 2),)
+    trust.recorded(args, out2, runnings, record)
+    assert trust.holds([out2[0], _cache(seed=3)], runnings, record)
+    assert not trust.holds(args, runnings, record)
+    out2[0].mul_(2.0)                                    # edited after the call
+    assert not trust.holds([out2[0], _cache(seed=3)], runnings, record)
+
+
+def test_a_graph_without_incremental_keys_always_holds():
+    trust, states, _ = _trust(ExactSigma(Term(_query(), _query()), "", 1.0))
+    assert trust.holds([_cache(), _cache()], trust.runnings(states), VersionRecord())

@@ -113,3 +113,122 @@ def test_repeated_calls_skip_the_host_checks_until_a_weight_changes(monkeypatch)
     after = _bounds(wrapped)
     assert torch.all(after[0] > before[0] * 1.5)   # σ of the layer's (2W_q)(2W_k)ᵀ: ×4
     torch.testing.assert_close(after[1], before[1], rtol=1e-3, atol=0)   # layer 1 unchanged
+
+
+def _counts(wrapped) -> tuple[int, int, int]:
+    """(calls that refreshed the bound, calls that did not, those of them on the fast path)"""
+    runtime, = _runtimes(wrapped)
+    return runtime.full_steps, runtime.reused_steps, runtime.fast_steps
+
+
+def _fresh_bounds(model) -> list[torch.Tensor]:
+    """The bounds a new wrapper computes from ``model``'s weights as they are now."""
+    plain = _model()
+    plain.load_state_dict({k: v for k, v in model.state_dict().items()
+                           if not k.startswith("geoscale_state.")})
+    fresh = geoscale_fx.wrap(plain, estimator="exact", compiler="aot_eager")
+    with torch.no_grad():
+        fresh(_ids())
+    return _bounds(fresh)
+
+
+def _scale_in_place(attn):
+    attn.c_attn.weight.mul_(2.0)
+
+
+def _swap_storage(attn):               # ``.data =``: new storage, the version unchanged
+    attn.c_attn.weight.data = attn.c_attn.weight.data * 2.0
+
+
+def _new_parameter(attn):              # another tensor object in the module
+    attn.c_attn.weight = torch.nn.Parameter(attn.c_attn.weight * 2.0)
+
+
+def _new_layernorm_weight(attn_block):  # a weight the bound reads before c_attn
+    attn_block.ln_1.weight.mul_(3.0)
+
+
+@pytest.mark.parametrize("change", [_scale_in_place, _swap_storage, _new_parameter, "ln"])
+def test_every_weight_change_between_calls_leaves_the_fast_path(change):
+    """After a change of a weight the bound reads, the next call is a full one and its bound
+    is the one a new wrapper computes from the changed weights; the call after it is fast
+    again (the fast path is live, so a change it missed would leave a stale bound)."""
+    model = _model()
+    wrapped = geoscale_fx.wrap(model, estimator="exact", compiler="aot_eager")
+    with torch.no_grad():
+        wrapped(_ids())
+        wrapped(_ids())
+        assert _counts(wrapped) == (1, 1, 1)
+        block = model.transformer.h[1]
+        _new_layernorm_weight(block) if change == "ln" else change(block.attn)
+        stale = _bounds(wrapped)
+        wrapped(_ids())
+        assert _counts(wrapped) == (2, 1, 1)
+        wrapped(_ids())
+        assert _counts(wrapped) == (2, 2, 2)
+    after = _bounds(wrapped)
+    for a, f in zip(after, _fresh_bounds(model)):
+        torch.testing.assert_close(a, f, rtol=1e-5, atol=0)
+    assert not torch.allclose(after[1], stale[1], rtol=0.05)
+    torch.testing.assert_close(after[0], stale[0], rtol=1e-5, atol=0)
+
+
+def test_a_cold_state_leaves_the_fast_path():
+    """``mark_cold`` (weights loaded without their scaling state): the next call starts the
+    sites again from the weights, whatever the records hold."""
+    wrapped = geoscale_fx.wrap(_model(), compiler="aot_eager")
+    with torch.no_grad():
+        wrapped(_ids())
+        wrapped(_ids())
+        cold = counters["geoscale"]["cold_starts"]
+        wrapped.geoscale.state.mark_cold()
+        wrapped(_ids())
+        assert counters["geoscale"]["cold_starts"] - cold == 2       # both sites
+        assert _counts(wrapped) == (2, 1, 1)
+        wrapped(_ids())
+    assert _counts(wrapped) == (2, 2, 2)
+
+
+def test_auto_alpha_burn_in_never_takes_the_fast_path():
+    """Every burn-in call runs the burn-in graph (it counts the step); the main graph after
+    it starts with a full call; a burn-in that starts again (a host mirror reset, as after
+    loading an uncalibrated checkpoint) is seen by the very next call."""
+    wrapped = geoscale_fx.wrap(_model(), compiler="aot_eager", alpha="auto", calib_steps=3)
+    with torch.no_grad():
+        for _ in range(3):
+            wrapped(_ids())
+        assert _counts(wrapped) == (3, 0, 0)
+        wrapped(_ids())
+        wrapped(_ids())
+        assert _counts(wrapped) == (4, 1, 1)
+        state = next(iter(wrapped.geoscale.records.values())).state
+        state.calib_seen = 1                    # two burn-in steps to go
+        wrapped(_ids())
+        assert state.calib_seen == 2 and _counts(wrapped) == (5, 1, 1)
+
+
+def test_a_graph_serving_several_blocks_checks_each_blocks_weights():
+    """One graph, three blocks (``compile_blocks``): each block's weights have their own
+    record; an in-place write to block 1 makes only block 1's next call a full one. A block
+    that dies takes its cached binding with it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)).eval()
+    backend = geoscale_fx.compile_blocks(model, model.transformer.h, compiler="aot_eager",
+                                         estimator="exact")
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(x)
+        model(x)
+        runtime, = backend.runtimes
+        assert (runtime.full_steps, runtime.reused_steps, runtime.fast_steps) == (3, 3, 3)
+        bounds = [r.state.bound.clone() for r in backend.records.values()]
+        model.transformer.h[1].attn.c_attn.weight.mul_(2.0)
+        model(x)
+        assert (runtime.full_steps, runtime.reused_steps, runtime.fast_steps) == (4, 5, 5)
+    after = [r.state.bound for r in backend.records.values()]
+    assert torch.equal(after[0], bounds[0]) and torch.equal(after[2], bounds[2])
+    assert bool((after[1] > 3 * bounds[1]).all())
+    assert len(runtime._by_id) == 3
+    del model.transformer.h[2]
+    gc.collect()
+    assert len(runtime._by_id) == 2

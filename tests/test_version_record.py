@@ -65,3 +65,44 @@ def test_a_partial_update_keeps_the_head_and_rereads_the_tail():
     record.update([w, new_cache], start=1)
     assert record.holds([new_cache], [1]) and not record.holds([cache], [1])
     assert not record.holds([w, new_cache], [0])      # slots and tensors must pair up
+
+
+def test_holds_args_checks_the_tensor_at_each_position_against_its_slot():
+    w, b = torch.zeros(3), torch.ones(2)
+    record = _recorded(w, b)
+    args = (torch.zeros(1), w, "x", b)
+    assert record.holds_args(args, (1, 3))
+    assert not record.holds_args(args, (3, 1))                  # order: slot i ← positions[i]
+    assert not record.holds_args(args, (1,))                    # every slot, or it fails
+    assert not _recorded(w).holds_args((w.view(3),), (0,))      # a view: storage, version alike
+    assert not record.holds_args(args, (1, 9))                  # a missing argument
+    b.add_(1.0)
+    assert not record.holds_args(args, (1, 3))
+    p = torch.nn.Parameter(torch.zeros(3))
+    record.update([p])
+    with torch.no_grad():
+        p.data = torch.ones(3)
+    assert not record.holds_args((p,), (0,))
+
+
+def test_reread_takes_the_new_versions_of_the_same_tensors_and_nothing_else():
+    """After a call that wrote its recorded tensors in place (a StaticCache, a running
+    maximum): ``reread`` makes the record hold them again; a storage swapped meanwhile
+    still breaks it, and a tensor that died leaves the record invalid."""
+    running, cache = torch.zeros(2), torch.zeros(4)
+    record = _recorded(running, cache)
+    refs = list(record.refs)
+    running.add_(1.0)
+    cache[1] = 3.0
+    assert not record.holds([running, cache], [0, 1])
+    record.reread()
+    assert record.holds([running, cache], [0, 1])
+    assert all(a is b for a, b in zip(record.refs, refs))      # the same references kept
+    with torch.no_grad():
+        cache.data = torch.zeros(4)
+    record.reread()
+    assert not record.holds([running, cache], [0, 1])
+    del cache
+    gc.collect()
+    record.reread()
+    assert not record.valid and not record.holds([running], [0])
