@@ -6,6 +6,9 @@ programs of ``bench.profile_step`` (its ``_model``: the zoo's small GPT-2/Llama 
 random weights, the same inputs):
 
 * ``plain``    — ``model.compile(backend="inductor")``;
+* ``none``     — ``geoscale_fx.apply_(model, scaling="none")``: geoscale's lowering and
+  runtime, no bound, no FP8 (``none / plain`` is the kernel's share, e.g. the fused CPU
+  flex_attention template; ``geometry / none`` geoscale's own); only when asked for;
 * ``geometry`` — ``geoscale_fx.apply_(model)``, the default scaling;
 * ``current``  — ``geoscale_fx.apply_(model, scaling="current")``, for reference.
 
@@ -62,7 +65,7 @@ from bench.timing import Timings, interleaved, spread_flag
 
 __all__ = ["main", "run", "first_calls", "measure", "table_rows", "PROGRAMS", "STEPS"]
 
-PROGRAMS = ("plain", "geometry", "current")
+PROGRAMS = ("plain", "none", "geometry", "current")
 STEPS = ("forward", "train", "decode")
 #: each measured phase: its step, and the goal on its ratio to plain (issue 19, item 4)
 PHASES = {"forward": ("forward", 1.5), "train": ("train", 1.5),
@@ -317,7 +320,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.compile_time", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
-    parser.add_argument("--programs", nargs="+", choices=PROGRAMS, default=list(PROGRAMS))
+    parser.add_argument("--programs", nargs="+", choices=PROGRAMS,
+                        default=["plain", "geometry", "current"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--family", choices=sorted(SHAPES), default="gpt2")
     parser.add_argument("--batch", type=int, default=1)
