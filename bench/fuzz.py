@@ -76,6 +76,7 @@ def feature_rows(results: list[dict]) -> list[dict]:
         row = {"feature": feature, "generated": len(rs),
                "supported": sum(r["supported"] is True for r in rs),
                "refused": sum(r["supported"] is False for r in rs),
+               "of them measured": sum(r.get("measured") is True for r in rs),
                "top refusal reasons": "; ".join(f"{k} ×{n}" for k, n in reasons.most_common(2))}
         row.update({name: sum(bool(test(r)) for r in rs) for name, test in FAILURES.items()})
         row["worst logit ratio"] = max((r["worst"].get("logits", 0.0) for r in rs), default=0.0)

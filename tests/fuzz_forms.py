@@ -413,6 +413,7 @@ class ExampleResult:
     form: Form
     found: int = 0
     supported: Optional[bool] = None
+    measured: Optional[bool] = None    # refused by the weights, run on its measured q and k
     reason: str = ""
     mismatch: str = ""                 # the answer differs from ``form.expected``
     gap: str = ""                      # v's amax bound missing (or present) unexpectedly
@@ -456,7 +457,7 @@ def check_example(form: Form, *, steps: int = 12, audit: bool = True,
         if site is not None and site.supported:
             x = _check_bounds(model, x, site, result, steps, bound_factor, form.tolerance)
         _check_none_equals_eager(model, x, result)
-        if audit and site is not None and site.supported:
+        if audit and site is not None and (site.supported or site.measured is not None):
             _check_audit(model, x, result)
     except Exception as e:  # noqa: BLE001 — the fuzzer reports every failure as data
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -472,6 +473,7 @@ def _check_found(model, x, result):
         return sites[0] if sites else None
     site = sites[0]
     result.supported, result.reason = site.supported, site.reason
+    result.measured = not site.supported and site.measured is not None
     expected = result.form.expected
     if expected == "supported" and not site.supported:
         result.mismatch = "refused, supported expected"
@@ -547,6 +549,13 @@ def _check_audit(model, x, result):
     wrapped = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
     with torch.no_grad():
         wrapped(x)
-    rows = geoscale_fx.report(wrapped).rows
-    counts = [r["overflow_steps"] for r in rows if r.get("overflow_steps") is not None]
+    rows = geoscale_fx.report(wrapped, per_head=True).rows
+    counts = [r["overflow_steps"] for r in rows
+              if r.get("overflow_steps") is not None and r["head"] in (0, None)]
     result.overflows = sum(counts) if counts else None
+    for r in rows:     # the in-graph bound (a measured one included) against what it scaled
+        if r.get("max_scaled") is not None and r.get("bound") is not None and \
+                r["max_scaled"] * r["scale"] > r["bound"] * (1 + result.form.tolerance):
+            result.violations.append(f"audit head {r['head']}: max|S| "
+                                     f"{r['max_scaled'] * r['scale']:.6g} > bound "
+                                     f"{r['bound']:.6g}")
