@@ -82,6 +82,11 @@ def overhead(ctx: Context) -> ScenarioResult:
                             "Training runs on separate model copies, in training mode. CPU "
                             "training uses the explicit lowering (flex_attention has no CPU "
                             "backward); delayed and current always materialize S.")
+    # Dynamo keeps per-code state across models: after earlier scenarios called the same
+    # model code at other shapes it compiles with symbolic shapes, and on CPU Inductor's
+    # flex_attention template does not take them (geometry's forward then materializes S,
+    # 1.2× plain). Time the static-shape steady state every run, whatever ran before.
+    torch._dynamo.reset()
     lm = ctx.causal_lms()[0]
     methods = [None, "geometry/head", "delayed/paper", "current"]
     train_methods = methods if ctx.full else [None, "geometry/head", "delayed/paper"]
