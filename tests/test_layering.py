@@ -46,7 +46,7 @@ LAYERS = {
     "passes.replay_records": ANALYSIS, "passes.rotary_terms": ANALYSIS,
     "passes.rotary_gain": ANALYSIS, "passes.candidate": ANALYSIS,
     "passes.rotation_pairs": ANALYSIS, "passes.operand_sides": ANALYSIS,
-    "passes.adapter_fold": ANALYSIS, "passes.logit_terms": ANALYSIS, "passes.sink_bound": ANALYSIS, "passes.bounded_operand": ANALYSIS, "passes.l2_clip": ANALYSIS, "passes.assembled_writes": ANALYSIS, "passes.measured_sites": ANALYSIS,
+    "passes.adapter_fold": ANALYSIS, "passes.logit_terms": ANALYSIS, "passes.sink_bound": ANALYSIS, "passes.bounded_operand": ANALYSIS, "passes.l2_clip": ANALYSIS, "passes.assembled_writes": ANALYSIS, "passes.measured_sites": ANALYSIS, "passes.score_operands": ANALYSIS,
     "passes.head_mapping": ANALYSIS, "passes.site_fields": ANALYSIS,
     "passes.value_side": ANALYSIS, "passes.cached_key_sites": ANALYSIS,
     "passes.traced_operands": ANALYSIS, "passes.opaque_attention": ANALYSIS,

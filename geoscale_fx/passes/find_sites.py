@@ -28,6 +28,7 @@ from geoscale_fx.passes.graph_ops import (
     DATA_MOVEMENT, VALUE_CASTS, ValueKinds, arg, baddbmm_args, matmul_operands, op_of,
     scalar_constant, shape_of, static_bool,
 )
+from geoscale_fx.passes.score_operands import set_operands
 
 __all__ = ["find_candidates"]
 
@@ -92,7 +93,7 @@ def _explicit(softmax: Node, kinds: ValueKinds) -> Optional[Candidate]:
     pv = _product_with_values(softmax, cand)
     if pv is None:
         return _failed(cand, product, "its probabilities never multiply values")
-    if not _set_operands(scores, cand):
+    if not set_operands(scores, cand):
         return _failed(cand, product, f"the einsum `{scores.args[0]}` is not q·kᵀ")
     cand.roles.pop("blocker", None)
     cand.roles.update({"scores": scores, "softmax": softmax, "pv": pv})
@@ -329,35 +330,3 @@ def _zeroes_probabilities(user: Node, probs: Node) -> bool:
         return (a is probs and scalar_constant(b) == 0) or (b is probs and
                                                             scalar_constant(a) == 0)
     return False
-
-
-def _set_operands(scores: Node, cand: CandidateDraft) -> bool:
-    op = op_of(scores)
-    if op in ("matmul", "bmm"):
-        cand.query, cand.key, cand.key_layout = scores.args[0], scores.args[1], "dk"
-        return True
-    if op == "baddbmm":
-        cand.query, cand.key = matmul_operands(scores)
-        cand.key_layout = "dk"
-        return True
-    equation = scores.args[0].replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        return False
-    inputs, out = equation.split("->")
-    terms = inputs.split(",")
-    if len(terms) != 2:
-        return False
-    qi, ki = terms
-    contracted = [c for c in qi if c in ki and c not in out]
-    q_only = [c for c in qi if c not in ki]
-    k_only = [c for c in ki if c not in qi]
-    if len(contracted) != 1 or len(q_only) != 1 or len(k_only) != 1:
-        return False
-    batch = [c for c in qi if c in ki and c in out]
-    if out != "".join(batch) + q_only[0] + k_only[0]:
-        return False
-    c = contracted[0]
-    cand.query, cand.key, cand.key_layout = scores.args[1], scores.args[2], "kd"
-    cand.query_perm = tuple(qi.index(x) for x in batch + [q_only[0], c])
-    cand.key_perm = tuple(ki.index(x) for x in batch + [k_only[0], c])
-    return True
