@@ -56,16 +56,15 @@ class _Lazy:
 
 
 class _Binding:
-    """One module's states in a graph, and what its last call left: ``signature``, the
-    weights' at the last refresh (None: compare them next call); ``weights``, a record of
-    them; ``record``, of the running key maxima and caches (``KeyNormTrust``'s layout)."""
+    """One module's states in a graph, and what its last call left: ``weights``, a record of
+    the weights the last refresh read (invalid: refresh on the next call); ``record``, of the
+    running key maxima and caches (``KeyNormTrust``'s layout)."""
 
-    __slots__ = ("states", "tensors", "signature", "weights", "record", "runnings")
+    __slots__ = ("states", "tensors", "weights", "record", "runnings")
 
     def __init__(self, plans: list[SitePlan], states: list[SiteState]):
         self.states = states
         self.tensors = [t for p, s in zip(plans, states) for t in s.tensors(p.state_names)]
-        self.signature: list | None = None
         self.weights, self.record = VersionRecord(), VersionRecord()
         self.runnings: list[torch.Tensor] | None = None
 
@@ -150,7 +149,7 @@ class GraphRuntime:
 
     def __call__(self, *args):
         binding = self._binding(args)
-        if binding.signature is not None and self._unchanged(args, binding):
+        if self._unchanged(args, binding):
             out = self._run("reuse", args, binding)
             self.key_trust.recorded(args, out, binding.runnings, binding.record)
             self.reused_steps += 1
@@ -182,19 +181,17 @@ class GraphRuntime:
         states, trust, record = binding.states, self.key_trust, binding.record
         if any(s.cold for s in states):
             self._cold_start(args, [(p, s) for p, s in zip(self.plans, states) if s.cold])
-            binding.signature = None
+            binding.weights.valid = False
         burn_in = self._auto_alpha and self.calibrating(states)
         variant = "burn_in" if burn_in else self._main
         reuse = variant == "reuse"
         if binding.runnings is None:
             binding.runnings = trust.runnings(states)
-        refresh = False
-        if reuse:
-            signature = self.weights_signature(args)
-            refresh = signature is None or signature != binding.signature
-            if refresh:
-                self._refresh(args, states)
-            binding.signature = signature
+        # the weights changed since the last refresh (any in-place write, another tensor or
+        # storage; inference-mode tensors keep no version: every call)
+        refresh = reuse and not binding.weights.holds_args(args, self.param_positions)
+        if refresh:
+            self._refresh(args, states)
         if trust.entries:
             self.remeasured_caches += trust.before(args, states)
         out = self._run(variant, args, binding)
@@ -205,24 +202,13 @@ class GraphRuntime:
             trust.after(args, out, states, record)
         if burn_in:
             self._count_burn_in(states)
-            binding.signature = None     # the burn-in graph computed the bound in the graph
+            binding.weights.valid = False   # the burn-in graph computed the bound in the graph
         if reuse and not refresh:
             self.reused_steps += 1
         else:
             self.full_steps += 1
         self.on_run()
         return out
-
-    def weights_signature(self, args) -> list | None:
-        """Which parameter tensors the bounds read, and their in-place version counters: equal
-        signatures mean the weights did not change (an optimizer step, ``load_state_dict`` and
-        any in-place write bump the counter). None when it cannot be known (inference-mode
-        tensors keep no counter; the bound is then refreshed every call)."""
-        try:   # one flat comprehension: this runs before every inference call
-            return [(a._version, a.data_ptr(), id(a)) for a in
-                    [args[i] for i in self.param_positions] if isinstance(a, torch.Tensor)]
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return None
 
     # ---- host-side phases ---------------------------------------------------------------
     def weights(self, args, plan: SitePlan) -> dict:
@@ -277,8 +263,8 @@ class GraphRuntime:
 
 def _bound_parameter_positions(gm: GraphModule, plans: list[SitePlan], placeholders: list,
                                kinds: ValueKinds) -> list[int]:
-    """Positions of the parameter inputs the sites' bounds are computed from (the weights'
-    signature of the reuse variant compares these only: an MLP weight never moves a bound,
+    """Positions of the parameter inputs the sites' bounds are computed from (the weights
+    record of the reuse variant compares these only: an MLP weight never moves a bound,
     and a decode step's host work grows with the attention parameters, not with all)."""
     by_name = {n.name: n for n in gm.graph.nodes}
     names = {n for p in plans for n in (p.site.parameter_nodes + (

@@ -63,15 +63,13 @@ class VersionRecord:
         self.pointers: list[int] = []
         self.valid = False
 
-    def update(self, tensors: Sequence[Any], start: int = 0) -> None:
-        """Record ``tensors`` as they are now; with ``start``, only the slots from ``start``
-        on (the caller knows the first ones are unchanged: the same tensors, not written)."""
+    def update(self, tensors: Sequence[Any]) -> None:
+        """Record ``tensors`` as they are now (the lists are reused while the count stays)."""
         n = len(tensors)
         if len(self.refs) != n:
             self.refs, self.versions, self.pointers = [_DEAD] * n, [None] * n, [0] * n
-            start = 0
         refs, versions, pointers = self.refs, self.versions, self.pointers
-        for i in range(start, n):
+        for i in range(n):
             t = tensors[i]
             if refs[i]() is not t:
                 refs[i] = weakref.ref(t) if isinstance(t, torch.Tensor) else _DEAD

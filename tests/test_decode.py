@@ -373,7 +373,7 @@ def test_decode_reuses_the_weight_bound_until_an_optimizer_step_changes_the_weig
         assert not torch.allclose(a, b, rtol=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="runtime.weights_signature reads _version, which a "
+@pytest.mark.xfail(strict=True, reason="the runtime's weights record reads _version, which a "
                    "write through .data does not bump: the bound is not refreshed")
 def test_a_write_through_data_between_calls_is_seen():
     model = _nanogpt("nanogpt-sdpa")

@@ -55,14 +55,14 @@ def test_inference_mode_tensors_and_non_tensors_never_hold():
     assert not record.holds([record.refs[0]()], [0])
 
 
-def test_a_partial_update_keeps_the_head_and_rereads_the_tail():
+def test_an_update_after_a_write_and_a_new_cache_tensor_rereads_every_slot():
     w, cache = torch.zeros(2), torch.zeros(5)
     record = _recorded(w, cache)
     cache[0] = 1.0                                   # the call wrote the cache
-    record.update([w, cache], start=1)
+    record.update([w, cache])
     assert record.holds([w, cache], [0, 1])
     new_cache = torch.zeros(5)                        # a DynamicCache's next tensor
-    record.update([w, new_cache], start=1)
+    record.update([w, new_cache])
     assert record.holds([new_cache], [1]) and not record.holds([cache], [1])
     assert not record.holds([w, new_cache], [0])      # slots and tensors must pair up
 
