@@ -366,6 +366,7 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
     layer makes Dynamo compile the layer's frame once and run that graph for every layer:
     one site, several calls)."""
     from geoscale_fx.passes.analyze import analyze_graph
+    from geoscale_fx.plan import runnable
 
     graphs: list[list] = []
 
@@ -383,16 +384,11 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
         compiled(**inputs)
     executed = supported = measured = 0
     for gm, example, runs in graphs:
-        sites = [_planned(s) for s in analyze_graph(gm, example)]
+        sites = [runnable(s) for s in analyze_graph(gm, example)]
         executed += len(sites) * runs
         supported += sum(s.supported for s in sites) * runs
         measured += sum(s.bound_by == "measured" for s in sites) * runs
     return executed, supported, measured
-
-
-def _planned(site):
-    """The site planning runs: a site the weights cannot bound, by its measured q and k."""
-    return site.measured if not site.supported and site.measured is not None else site
 
 
 def _audit(row: dict, model, inputs: list[dict]) -> list[float]:
@@ -420,6 +416,7 @@ def _run_family(row: dict, model_type: str) -> None:
     failure of the ``none`` wrapper: the sites then come from ``find_attention``)."""
     import geoscale_fx
     from geoscale_fx import hf_configs
+    from geoscale_fx.plan import runnable
 
     try:
         model = hf_configs.tiny_model(model_type)
@@ -437,7 +434,7 @@ def _run_family(row: dict, model_type: str) -> None:
         if isinstance(exc, _FamilyTimeout) or "_FamilyTimeout" in str(exc):
             raise
         row["error"] = f"scaling='none' wrapper: {type(exc).__name__}: {_last_line(exc)}"
-        sites = [_planned(s) for s in geoscale_fx.find_attention(model, **inputs[0])]
+        sites = [runnable(s) for s in geoscale_fx.find_attention(model, **inputs[0])]
     executed, supported = len(sites), sum(s.supported for s in sites)
     measured = sum(s.bound_by == "measured" for s in sites)
     if executed < len(calls):      # one graph may run for several layers
