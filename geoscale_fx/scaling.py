@@ -212,15 +212,20 @@ class GeometryScaling(ScalingPolicy):
             total = sum(e.full_step(hw, state) for e, hw in zip(self.estimators, hws))
         bound = logit_bounds.apply_modifiers(total, self.site.modifiers,
                                              lambda name: weights[name].detach())
-        torch._assert_async(torch.isfinite(bound).all(),
-                            f"{NON_FINITE_TAG} in attention site '{self.site.name}' "
-                            f"(parameters {', '.join(self.site.param_names)})")
+        torch._assert_async(torch.isfinite(bound).all(), self._non_finite_message())
         if per_layer_reduced(self.site, self.n_scale):   # one scale for heads on many ranks
             bound = reduce_max(bound, self.site.shard)
         state["bound"].copy_(bound)
         alpha = self.alpha.value(state, seq_len)
         return bounds.scale_factor(alpha * bound, eta=self.options.eta,
                                    fmt=self.options.fp8_format).float()
+
+    def _non_finite_message(self) -> str:
+        if self.site.bound_by == "measured":   # the bound reads activations, not weights
+            return (f"geoscale: non-finite q or k at attention site '{self.site.name}' (its "
+                    "bound is measured from them: the activations reaching it are not finite)")
+        return (f"{NON_FINITE_TAG} in attention site '{self.site.name}' "
+                f"(parameters {', '.join(self.site.param_names)})")
 
     def learn(self, amax, state):
         if self.alpha.auto:

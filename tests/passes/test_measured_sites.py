@@ -175,3 +175,13 @@ def test_scaling_none_equals_eager_and_training_runs():
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
     row = geoscale_fx.report(wrapped).rows[0]
     assert row["bound"] is not None and math.isfinite(row["bound"])
+
+
+def test_non_finite_activations_are_named_not_blamed_on_weights():
+    """The measured bound reads q and k: an inf in them is reported as such."""
+    wrapped = geoscale_fx.wrap(Unnormalized().eval(), compiler="aot_eager")
+    x = torch.randn(2, 8, D)
+    x[0, 3, 5] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite q or k at attention site"):
+        with torch.no_grad():
+            wrapped(x)
