@@ -26,6 +26,7 @@ from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners,
                                        upstream_placeholders)
+from geoscale_fx import graph_cache
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.aten_trace import aten_graph
@@ -230,9 +231,9 @@ class GeoscaleBackend:
 
         def build(variant_plans):
             fused = any(p.lowering == "fused" for p in variant_plans)
-            return lambda: self._compile(rewrite(gm, variant_plans, names),
-                                         list(example_inputs) + _static(tensors), fused,
-                                         rewritten=True, training=training)
+            return lambda: self._compile_rewritten(gm, variant_plans, names,
+                                                   list(example_inputs) + _static(tensors),
+                                                   fused, training)
 
         if self.options.scaling == "geometry" and not training:
             variants = {"reuse": build([reuse_variant(p) for p in plans])}
@@ -242,10 +243,8 @@ class GeoscaleBackend:
             variants["burn_in"] = build([burn_in_variant(p) for p in plans])
         return variants
 
-    def _compile(self, gm: GraphModule, inputs: list, fused: bool, rewritten: bool = False,
-                 training: bool = False):
-        """``gm`` compiled; a ``rewritten`` one through its ATen trace (``passes.aten_trace``,
-        above autograd for ``training``) so that AOTAutograd's cache can key it."""
+    def _compile(self, gm: GraphModule, inputs: list, fused: bool):
+        """A graph without rewritten sites, compiled as the options say."""
         compiler = self.options.compiler
         if compiler == "eager":
             return gm.forward
@@ -253,24 +252,49 @@ class GeoscaleBackend:
             return aot_eager(gm, inputs)
         from torch._inductor.compile_fx import compile_fx
 
-        # No per-call size/stride asserts on the inputs: Dynamo's guards already check the
-        # model's, and the scaling state's shapes are fixed by the plans (a decode step has
-        # ~15 state inputs per site; their asserts were a measurable share of its host time).
-        # Inductor's CPU flex_attention template cannot take fused epilogues.
-        patches = {"size_asserts": False}
-        if fused:
-            patches["epilogue_fusion"] = False
-        if rewritten:
-            try:   # ATen operators only: AOTAutograd's cache can key the graph
-                traced = aten_graph(gm, inputs, training)
-                if traced is not gm:
-                    return compile_fx(traced, inputs, config_patches=patches)
-            except Exception as exc:   # the trace only saves compile time: never lose the graph
-                counters["geoscale"]["aten_trace_fallbacks"] += 1
-                log.info("geoscale: the ATen trace of a graph did not compile (%s: %s); "
-                         "compiling the rewritten graph as it is", type(exc).__name__,
-                         (str(exc).splitlines() or [""])[0][:200])
-        return compile_fx(gm, inputs, config_patches=patches)
+        return compile_fx(gm, inputs, config_patches=_inductor_patches(fused))
+
+    def _compile_rewritten(self, gm: GraphModule, plans: list[SitePlan], names, inputs: list,
+                           fused: bool, training: bool):
+        """``gm`` with ``plans`` rewritten, compiled; under Inductor through its ATen trace
+        (``passes.aten_trace``, above autograd for ``training``) so that AOTAutograd's cache
+        can key it, the trace itself kept in geoscale's cache (``graph_cache``)."""
+        rewritten = rewrite(gm, plans, names)
+        if self.options.compiler != "inductor":
+            return self._compile(rewritten, inputs, fused)
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = _inductor_patches(fused)
+        context = torch._guards.TracingContext.try_get()
+        key = graph_cache.graph_key(gm, inputs, (plans, names, training, fused)) \
+            if graph_cache.enabled() and context is not None else None
+        if key is None:
+            counters["geoscale"]["graph_cache_bypass"] += 1
+        else:
+            cached = graph_cache.load(key, context.fake_mode)
+            if cached is not None:
+                try:
+                    compiled = compile_fx(cached, inputs, config_patches=patches)
+                    counters["geoscale"]["graph_cache_hit"] += 1
+                    return compiled
+                except Exception as exc:   # traced again below, and stored anew
+                    counters["geoscale"]["graph_cache_unusable"] += 1
+                    log.info("geoscale: the cached trace of a graph did not compile (%s: "
+                             "%s); tracing again", type(exc).__name__, str(exc)[:200])
+            counters["geoscale"]["graph_cache_miss"] += 1
+        try:   # ATen operators only: AOTAutograd's cache can key the graph
+            traced = aten_graph(rewritten, inputs, training)
+            if traced is not rewritten:
+                compiled = compile_fx(traced, inputs, config_patches=patches)
+                if key is not None:    # stored once it compiled
+                    graph_cache.store(key, traced)
+                return compiled
+        except Exception as exc:   # the trace only saves compile time: never lose the graph
+            counters["geoscale"]["aten_trace_fallbacks"] += 1
+            log.info("geoscale: the ATen trace of a graph did not compile (%s: %s); "
+                     "compiling the rewritten graph as it is", type(exc).__name__,
+                     (str(exc).splitlines() or [""])[0][:200])
+        return compile_fx(rewritten, inputs, config_patches=patches)
 
     # ---- auto-α -------------------------------------------------------------------------
     def finalize_calibration(self) -> None:
@@ -292,6 +316,14 @@ def _static(state: list[torch.Tensor]) -> list[torch.Tensor]:
     if context is None or context.fake_mode is None:
         return list(state)
     return [context.fake_mode.from_tensor(t, static_shapes=True) for t in state]
+
+
+def _inductor_patches(fused: bool) -> dict:
+    """No per-call size/stride asserts on the inputs: Dynamo's guards already check the
+    model's, and the scaling state's shapes are fixed by the plans (a decode step has ~15
+    state inputs per site; their asserts were a measurable share of its host time).
+    Inductor's CPU flex_attention template cannot take fused epilogues."""
+    return {"size_asserts": False, **({"epilogue_fusion": False} if fused else {})}
 
 
 _DEFAULT: GeoscaleBackend | None = None

@@ -51,7 +51,7 @@ LAYERS = {
     "passes.value_side": ANALYSIS, "passes.cached_key_sites": ANALYSIS,
     "passes.traced_operands": ANALYSIS, "passes.opaque_attention": ANALYSIS,
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
-    "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
+    "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "graph_cache": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
     "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,
     # the backend, and the registry of live backends that the report reads
     "dynamo_backend": BACKEND, "backend_sites": BACKEND, "backend_registry": BACKEND,
