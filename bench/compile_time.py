@@ -29,6 +29,12 @@ in memory), in two cache states:
   ``autograd_cache_hit/miss/bypass``) are reported per phase, and why a graph bypassed a
   cache (their log lines) under the table.
 
+Each phase starts after a full garbage collection (``gc.collect()``), as ``timeit`` keeps
+the collector out of what it times: otherwise a phase pays for a full collection of every
+object the set-up and the earlier phases left (0.27 s in a decode phase, measured), or not,
+by where the collector's thresholds happen to fall. The collector's seconds inside each
+phase are still counted in its time, and reported (``gc_s`` in the JSON).
+
 Rounds interleave the programs (``bench.timing.interleaved``: the order rotates from round
 to round, a round being one cold and one warm process per program); a program's ratio to
 plain is taken within each round and reported as the median with its min–max spread over
@@ -45,6 +51,7 @@ other processes' load stretches the first, barely the second.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -73,7 +80,8 @@ PHASES = {"forward": ("forward", 1.5), "train": ("train", 1.5),
 CACHES = ("cold", "warm")
 #: (group, name) in ``torch._dynamo.utils.counters``, shown as hit/miss/bypass
 CACHE_COUNTERS = {"fx graph cache": ("inductor", "fxgraph_cache"),
-                  "aot autograd cache": ("aot_autograd", "autograd_cache")}
+                  "aot autograd cache": ("aot_autograd", "autograd_cache"),
+                  "geoscale graph cache": ("geoscale", "graph_cache")}
 _OUTCOMES = ("hit", "miss", "bypass")
 _BYPASS_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 _ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +149,27 @@ def _cpu_seconds() -> float:
     return sum(cpu.get(pid, 0) for pid in family) / os.sysconf("SC_CLK_TCK")
 
 
+class _Collector:
+    """Seconds the cyclic garbage collector ran inside the ``with`` block."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self):
+        self.seconds = 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
 class _Reasons(logging.Handler):
     """Why a graph bypassed a cache: the caches' own INFO lines, each reason once."""
 
@@ -170,13 +199,17 @@ def first_calls(program: str, step: str, family: str = "gpt2", batch: int = 1,
     phases = _phases(config, program, step, batch, length, context)
     out = {"program": program, "step": step, "setup_s": time.perf_counter() - start,
            "phases": {}}
+    collector = _Collector()
     for name, call in phases:
+        gc.collect()     # no phase pays for the garbage of the one before (module docstring)
         before, cpu, start = _cache_counts(), _cpu_seconds(), time.perf_counter()
-        call()
+        with collector:
+            call()
         seconds, cpu, after = (time.perf_counter() - start, _cpu_seconds() - cpu,
                                _cache_counts())
-        out["phases"][name] = {"seconds": seconds, "cpu_s": cpu, "counters": {
-            k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
+        out["phases"][name] = {"seconds": seconds, "cpu_s": cpu, "gc_s": collector.seconds,
+                               "counters": {k: [a - b for a, b in zip(after[k], before[k])]
+                                            for k in after}}
     out["bypass_reasons"] = reasons.seen
     return out
 

@@ -87,3 +87,15 @@ def test_a_tiny_run_compiles_cold_then_reads_the_cache_warm(tmp_path):
         ("plain", "cold", 0), ("plain", "warm", 0)]
     assert all(r["process_s"] > r["phases"]["forward"]["seconds"] for r in saved["results"])
     assert "| forward" in (tmp_path / "compile_time.md").read_text()
+
+
+def test_the_collector_counts_the_garbage_collections_inside_its_block():
+    import gc
+
+    collector = compile_time._Collector()
+    with collector:
+        gc.collect()
+    inside = collector.seconds
+    gc.collect()             # outside the block: not counted
+    assert inside > 0 and collector.seconds == inside
+    assert collector._callback not in gc.callbacks
