@@ -39,11 +39,15 @@ __all__ = ["make_program", "rewrite", "sdpa_call_options"]
 
 
 def _per_scale_amax(plan: SitePlan, logits: torch.Tensor) -> torch.Tensor:
-    """max|S| per head (``(H,)``, heads on dim -3) or per layer (``(1,)``)."""
+    """max|S| per head (``(H,)``, heads on dim -3) or per layer (``(1,)``).
+
+    One reduction straight to ``(n_scale,)``: two (over L×L', then over the groups) leave
+    Inductor a ``(B, H)`` buffer and a reshaped ``(H,)`` view of it in every decode step."""
     a = logits.detach().abs()
     if plan.n_scale == 1:
         return a.amax().reshape(1)
-    return a.amax(dim=(-2, -1)).reshape(-1, plan.n_scale).amax(dim=0)
+    rows = a.reshape(-1, plan.n_scale, *a.shape[-2:])      # (groups, n_scale, L, L')
+    return rows.amax(dim=(0, 2, 3))
 
 
 def _predict(plan: SitePlan, weights: dict, state: dict, seq_len) -> torch.Tensor:

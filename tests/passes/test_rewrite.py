@@ -294,6 +294,53 @@ def test_geometry_steps_count_every_call(explicit_graph):
 
 
 # --------------------------------------------------------------------------------------
+# Observed maximum (explicit lowering)
+# --------------------------------------------------------------------------------------
+
+def _amax_reference(logits: torch.Tensor, n_scale: int) -> torch.Tensor:
+    """max |S| per scale by loops: slice i of the flattened leading dims belongs to scale
+    ``i % n_scale`` (heads on dim -3; one scale: everything)."""
+    slices = logits.reshape(-1, *logits.shape[-2:])
+    out = [float("-inf")] * n_scale
+    for i, s in enumerate(slices):
+        value = s.abs().max().item()
+        j = i % n_scale
+        out[j] = value if math.isnan(value) or math.isnan(out[j]) else max(out[j], value)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("shape, n_scale", [((2, 4, 3, 5), 4), ((2, 4, 3, 5), 2),
+                                            ((2, 4, 3, 5), 1), ((4, 1, 7), 4)])
+def test_per_scale_amax_is_the_max_abs_logit_of_each_scale(shape, n_scale):
+    """One value per scale, against loops over the slices; a NaN stays in its own scale."""
+    from types import SimpleNamespace
+
+    from geoscale_fx.passes.rewrite import _per_scale_amax
+    torch.manual_seed(0)
+    logits = torch.randn(shape) * 10
+    plan = SimpleNamespace(n_scale=n_scale)
+    assert torch.equal(_per_scale_amax(plan, logits), _amax_reference(logits, n_scale))
+    logits.reshape(-1, *shape[-2:])[-1, 0, 0] = float("nan")   # the last slice's scale
+    amax = _per_scale_amax(plan, logits)
+    assert torch.equal(amax.isnan(), torch.arange(n_scale) == n_scale - 1)
+    assert torch.equal(amax[:-1], _amax_reference(logits, n_scale)[:-1])
+
+
+def test_per_scale_amax_is_one_reduction():
+    """A single amax (Inductor: one (n_scale,) buffer, no second reduction over groups)."""
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from geoscale_fx.passes.rewrite import _per_scale_amax
+    plan = SimpleNamespace(n_scale=4)
+    gm = make_fx(lambda s: _per_scale_amax(plan, s))(torch.randn(2, 4, 1, 9))
+    reductions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.amax.default]
+    assert len(reductions) == 1
+    assert tuple(reductions[0].meta["val"].shape) == (4,)
+
+
+# --------------------------------------------------------------------------------------
 # sdpa_call_options / make_program
 # --------------------------------------------------------------------------------------
 
