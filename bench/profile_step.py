@@ -48,12 +48,26 @@ SHAPES = {  # the zoo's small pretrained shapes (models_zoo.configs.HF_SMALL)
 }
 
 
-def _config(family: str, context: int):
+def _config(family: str, context: int, width: int | None = None):
+    """The family's zoo shape; ``width``: its hidden size instead, the head size kept (heads,
+    and the MLP and key/value heads in proportion)."""
     import transformers
 
     size = ({"n_positions": context} if family == "gpt2" else
             {"max_position_embeddings": context})
-    return transformers.AutoConfig.for_model(family, **SHAPES[family], **size)
+    shape = dict(SHAPES[family])
+    if width is not None:
+        if family == "gpt2":
+            head = shape["n_embd"] // shape["n_head"]
+            shape.update(n_embd=width, n_head=max(1, width // head))
+        else:
+            heads = max(1, width // shape["head_dim"])
+            group = shape["num_attention_heads"] // shape["num_key_value_heads"]
+            shape.update(hidden_size=width, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // group),
+                         intermediate_size=shape["intermediate_size"] * width
+                         // shape["hidden_size"])
+    return transformers.AutoConfig.for_model(family, **shape, **size)
 
 
 def _model(config, program: str, training: bool):
@@ -180,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--width", type=int, default=None,
+                        help="hidden size instead of the zoo shape's (head size kept): "
+                             "how the per-step costs scale with the model")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = _config(args.family, max(max(args.context), 128))
+    config = _config(args.family, max(max(args.context), 128), args.width)
     rows, host = [], []
     jobs = [(what, batch, context) for batch in args.batch for what in args.steps
             for context in (args.context if what == "decode" else [128])]
@@ -193,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, batch, context in jobs:
         torch._dynamo.reset()
         if what == "decode":
-            programs = decode_programs(_config(args.family, context), batch, context)
+            programs = decode_programs(_config(args.family, context, args.width), batch,
+                                       context)
         else:
             programs = (forward_programs if what == "forward" else train_programs)(
                 config, batch, 128)
@@ -207,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                      for p in PROGRAMS]
         print(tabulate(rows[-len(PROGRAMS) - 2:], headers="keys", floatfmt=".4g"),
               flush=True)
-    print(f"\n{args.family}, {torch.get_num_threads()} threads, clock={args.clock}, "
+    print(f"\n{args.family} (hidden size {config.hidden_size}), {torch.get_num_threads()} "
+          f"threads, clock={args.clock}, "
           f"{args.rounds} interleaved rounds\n")
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     if host:

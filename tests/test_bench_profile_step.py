@@ -1,0 +1,43 @@
+"""bench/profile_step.py: the model shapes it profiles (the zoo's, or a wider one with the
+head size kept), and the breakdown rows it derives from interleaved timings."""
+from __future__ import annotations
+
+import pytest
+
+from bench import profile_step
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("family", sorted(profile_step.SHAPES))
+def test_a_wider_model_keeps_the_head_size_and_the_grouping(family):
+    zoo = profile_step._config(family, 256)
+    wide = profile_step._config(family, 256, width=512)
+    assert wide.hidden_size == 512 and zoo.hidden_size == 128
+    head = lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # noqa: E731
+    assert head(wide) == head(zoo)
+    assert wide.num_attention_heads == 4 * zoo.num_attention_heads
+    if family == "llama":
+        assert wide.num_attention_heads // wide.num_key_value_heads == \
+            zoo.num_attention_heads // zoo.num_key_value_heads
+        assert wide.intermediate_size == 4 * zoo.intermediate_size
+
+
+class _Timings:
+    def __init__(self, ms):
+        self.ms = ms
+
+    def median_ms(self, program):
+        return self.ms[program]
+
+    def ratio(self, program):
+        r = self.ms[program] / self.ms["plain"]
+        return type("R", (), {"median": r, "lo": r, "hi": r})()
+
+
+def test_the_breakdown_splits_the_kernels_share_from_geoscales():
+    rows = profile_step.breakdown_rows("decode", _Timings(
+        {"plain": 1.0, "none": 1.2, "geometry": 1.25, "current": 1.4}), "b1 cache 256")
+    by = {r["program"]: r for r in rows}
+    assert by["kernel + runtime (none - plain)"]["ratio to plain"] == pytest.approx(0.2)
+    assert by["bound + FP8 (geometry - none)"]["ratio to plain"] == pytest.approx(0.05)
