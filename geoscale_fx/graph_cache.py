@@ -12,7 +12,8 @@ trace, keyed by everything it is a function of:
   (the scaling state's included);
 * the plans and anything else the caller passes (``material``): described by value,
   recursively (dataclasses by their shown fields, other objects by their attributes);
-* grad mode, the torch and Python versions, and the source of ``geoscale_fx`` itself.
+* grad and inference mode, the default dtype, the torch and Python versions, and the source
+  of ``geoscale_fx`` itself.
 
 Anything the description cannot name by value — a function, a closure, an ``fx.Node``, an
 object without attributes — makes the graph uncached (``graph_cache_bypass``): a key that
@@ -165,7 +166,8 @@ def graph_key(gm: GraphModule, inputs: Sequence[Any], material: Any) -> Optional
     if None in parts:
         return None
     salt = (f"torch {torch.__version__} python {sys.version_info[:3]} geoscale "
-            f"{source_hash()} grad {torch.is_grad_enabled()}")
+            f"{source_hash()} grad {torch.is_grad_enabled()} inference "
+            f"{torch.is_inference_mode_enabled()} dtype {torch.get_default_dtype()}")
     digest = hashlib.sha256(salt.encode())
     for part in parts:
         digest.update(b"\0" + part.encode())

@@ -88,6 +88,16 @@ def test_the_key_changes_with_code_constants_inputs_and_material():
     assert key != graph_key(torch.fx.symbolic_trace(lambda x: x * self_free(x)), [x],
                             ("plan", 1))
     assert graph_key(gm, [x], ("plan", lambda: 1)) is None
+    with torch.no_grad():          # what the programs trace under (tensors they create)
+        assert graph_key(gm, [x], ("plan", 1)) != key
+    with torch.inference_mode():
+        assert graph_key(gm, [x], ("plan", 1)) != key
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert graph_key(gm, [x], ("plan", 1)) != key
+    finally:
+        torch.set_default_dtype(default)
     # a submodule that is not a graph has no code to key by
     assert graph_key(torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4))),
                      [x], ()) is None
