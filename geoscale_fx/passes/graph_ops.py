@@ -251,7 +251,9 @@ def _is_state(node: Node, value: Any) -> bool:
     return "_parameters[" in name or "_buffers[" in name or ".parameters." in name
 
 
-_MODULE_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+#: the root of a Dynamo source: ``L['self']``, or ``L['args'][0]`` where the forward is reached
+#: through a ``*args`` wrapper whose first argument is the model (transformers ≥ 5.24)
+_MODULE_ROOT = re.compile(r"^L\['[^']*'\](?:\[0\])?\.?")
 
 
 def module_path(node: Node) -> str:

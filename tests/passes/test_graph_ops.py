@@ -2,6 +2,8 @@
 and which nodes are parameter-only, on symbolic traces and a Dynamo capture."""
 from __future__ import annotations
 
+import functools
+
 import operator
 
 import torch
@@ -77,3 +79,24 @@ def test_value_kinds_module_paths_and_parameter_names_on_a_dynamo_graph():
     linear = next(n for n in g.nodes if op_of(n) == "linear")
     assert module_path(linear) == "inner.1"
     assert not kinds.is_param(None) and not kinds.is_constant(x)
+
+
+def _through_args(forward):
+    """A forward reached through a ``*args`` wrapper (transformers ≥ 5.24 decorates them so):
+    Dynamo's sources then root the model at ``L['args'][0]``."""
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return wrapper
+
+
+class _WrappedTiny(_Tiny):
+    forward = _through_args(_Tiny.forward)
+
+
+def test_a_model_reached_through_args_has_the_same_names():
+    graph = capture_graphs(_WrappedTiny(), torch.randn(2, 4))[0]
+    names = {parameter_name(n) for n in graph.gm.graph.nodes if n.op == "placeholder"}
+    assert names >= {"inner.0.weight", "inner.0.bias", "inner.1.weight", "table"}
+    linear = next(n for n in graph.gm.graph.nodes if op_of(n) == "linear")
+    assert module_path(linear) == "inner.1"
