@@ -2,17 +2,21 @@
 
 One decode step (a StaticCache, one new token), one forward and one training step of a
 Hugging Face causal LM (random weights, the zoo's small GPT-2/Llama shapes, or ``--context``
-for a longer one) under Inductor, for four programs that differ by one thing each:
+for a longer one) under Inductor, for five programs that differ by one thing each:
 
 * ``plain``      — ``torch.compile`` (SDPA's kernel);
 * ``none``       — geoscale with ``scaling="none"``, planned as geometry is (the same
   lowering): the attention kernel geoscale runs and its host runtime, no bound, no FP8;
-* ``geometry``   — the default: + the bound's nodes and the quantize/dequantize;
+* ``no-fp8``     — geometry with the FP8 round trip replaced by the identity at compile time
+  (``compiling``): the bound's nodes, the scaling state and its host checks, the divide and
+  multiply by the scale — everything but the saturating cast to FP8 and back;
+* ``geometry``   — the default: + the FP8 round trip;
 * ``current``    — current scaling (S materialized, the observed max), for reference.
 
 So ``none − plain`` is the kernel's share (flex_attention's CPU template or a materialized
-attention against SDPA's kernel) plus the runtime's host work, and ``geometry − none`` is
-what the bound and the FP8 round trip cost — geoscale's own work. A torch.profiler pass over
+attention against SDPA's kernel) plus the runtime's host work, ``no-fp8 − none`` what the
+bound costs — geoscale's own work — and ``geometry − no-fp8`` the FP8 round trip, which any
+FP8 scaling pays (emulated in software on CPU, a native cast on FP8 GPUs). A torch.profiler pass over
 the geometry decode step splits host from compiled time ("Torch-Compiled Region" minus
 "CompiledFxGraph": guards, the runtime's variant choice, argument plumbing).
 
@@ -25,21 +29,25 @@ process's CPU time, which other processes' load on a shared machine barely moves
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from typing import Callable
+from unittest import mock
 
 import torch
 from tabulate import tabulate
+from torch._dynamo.utils import counters
 
 import geoscale_fx
 from bench.timing import interleaved
+from geoscale_fx import attention, fp8
 
 __all__ = ["main", "decode_programs"]
 
 log = logging.getLogger("bench")
 
-PROGRAMS = ("plain", "none", "geometry", "current")
+PROGRAMS = ("plain", "none", "no-fp8", "geometry", "current")
 SHAPES = {  # the zoo's small pretrained shapes (models_zoo.configs.HF_SMALL)
     "gpt2": dict(n_embd=128, n_layer=4, n_head=4, vocab_size=256,
                  activation_function="gelu_new"),
@@ -80,8 +88,30 @@ def _model(config, program: str, training: bool):
         model.generation_config.disable_compile = True
         model.compile(backend="inductor", isolate_recompiles=True)
         return model
-    scaling = {"none": "none", "geometry": "geometry", "current": "current"}[program]
+    scaling = {"none": "none", "no-fp8": "geometry", "geometry": "geometry",
+               "current": "current"}[program]
     return geoscale_fx.apply_(model, scaling=scaling, compiler="inductor")
+
+
+def _identity_round_trip(scaled, fmt="e4m3"):
+    return scaled
+
+
+@contextlib.contextmanager
+def compiling(program: str):
+    """Around a program's first calls (its compiles): for ``no-fp8``, geometry's graphs with
+    the FP8 round trip (``fp8.quantize_dequantize``: saturate, cast, cast back) replaced by
+    the identity — the bound, the state and the divide/multiply by the scale kept — compiled
+    without geoscale's graph cache (whose key is geoscale's source, not this patch)."""
+    if program != "no-fp8":
+        yield
+        return
+    from torch._inductor import config
+
+    with mock.patch.object(fp8, "quantize_dequantize", _identity_round_trip), \
+            mock.patch.object(attention, "quantize_dequantize", _identity_round_trip), \
+            config.patch(fx_graph_cache=False):
+        yield
 
 
 def decode_programs(config, batch: int, context: int) -> dict[str, Callable[[], object]]:
@@ -94,7 +124,7 @@ def decode_programs(config, batch: int, context: int) -> dict[str, Callable[[], 
     for program in PROGRAMS:
         model = _model(config, program, training=False)
         cache = StaticCache(config=config, max_cache_len=context)
-        with torch.no_grad():
+        with torch.no_grad(), compiling(program):
             model(input_ids=ids, past_key_values=cache, use_cache=True,
                   cache_position=torch.arange(prompt))
         token = ids[:, -1:]
@@ -113,7 +143,8 @@ def decode_programs(config, batch: int, context: int) -> dict[str, Callable[[], 
             with torch.no_grad():
                 return model(input_ids=token, past_key_values=cache, use_cache=True,
                              cache_position=position).logits
-        step()   # compiles the decode graph
+        with compiling(program):
+            step()   # compiles the decode graph
         out[program] = step
     return out
 
@@ -127,7 +158,8 @@ def forward_programs(config, batch: int, length: int) -> dict[str, Callable[[], 
         def forward(model=model):
             with torch.no_grad():
                 return model(input_ids=ids, use_cache=False).logits
-        forward()
+        with compiling(program):
+            forward()
         out[program] = forward
     return out
 
@@ -143,7 +175,8 @@ def train_programs(config, batch: int, length: int) -> dict[str, Callable[[], ob
             opt.zero_grad(set_to_none=True)
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             opt.step()
-        step()
+        with compiling(program):
+            step()
         out[program] = step
     return out
 
@@ -178,6 +211,12 @@ def breakdown_rows(what: str, timings, shape: str) -> list[dict]:
     rows.append({"step": what, "shape": shape, "program": "bound + FP8 (geometry - none)",
                  "ms": ms["geometry"] - ms["none"],
                  "ratio to plain": (ms["geometry"] - ms["none"]) / ms["plain"]})
+    rows.append({"step": what, "shape": shape, "program": "bound (no-fp8 - none)",
+                 "ms": ms["no-fp8"] - ms["none"],
+                 "ratio to plain": (ms["no-fp8"] - ms["none"]) / ms["plain"]})
+    rows.append({"step": what, "shape": shape, "program": "FP8 round trip (geometry - no-fp8)",
+                 "ms": ms["geometry"] - ms["no-fp8"],
+                 "ratio to plain": (ms["geometry"] - ms["no-fp8"]) / ms["plain"]})
     return rows
 
 
@@ -215,15 +254,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             programs = (forward_programs if what == "forward" else train_programs)(
                 config, batch, 128)
+        graphs = counters["stats"]["unique_graphs"]
         timings = interleaved(programs, base="plain", rounds=args.rounds,
                               repeats=args.repeats if what != "train" else
                               max(2, args.repeats // 3), clock=args.clock)
+        if counters["stats"]["unique_graphs"] != graphs:   # outside ``compiling``
+            log.warning("a program compiled again while timed: its no-fp8 graph may be "
+                        "geometry's (%s)", what)
         shape = f"b{batch} cache {context}" if what == "decode" else f"b{batch}x128"
         rows += breakdown_rows(what, timings, shape)
         if what == "decode":
             host += [{"program": p, "shape": shape, **host_split(programs[p])}
                      for p in PROGRAMS]
-        print(tabulate(rows[-len(PROGRAMS) - 2:], headers="keys", floatfmt=".4g"),
+        print(tabulate(rows[-len(PROGRAMS) - 4:], headers="keys", floatfmt=".4g"),
               flush=True)
     print(f"\n{args.family} (hidden size {config.hidden_size}), {torch.get_num_threads()} "
           f"threads, clock={args.clock}, "

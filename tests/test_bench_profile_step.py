@@ -37,7 +37,28 @@ class _Timings:
 
 def test_the_breakdown_splits_the_kernels_share_from_geoscales():
     rows = profile_step.breakdown_rows("decode", _Timings(
-        {"plain": 1.0, "none": 1.2, "geometry": 1.25, "current": 1.4}), "b1 cache 256")
+        {"plain": 1.0, "none": 1.2, "no-fp8": 1.21, "geometry": 1.25, "current": 1.4}),
+        "b1 cache 256")
     by = {r["program"]: r for r in rows}
     assert by["kernel + runtime (none - plain)"]["ratio to plain"] == pytest.approx(0.2)
     assert by["bound + FP8 (geometry - none)"]["ratio to plain"] == pytest.approx(0.05)
+    assert by["bound (no-fp8 - none)"]["ratio to plain"] == pytest.approx(0.01)
+    assert by["FP8 round trip (geometry - no-fp8)"]["ratio to plain"] == pytest.approx(0.04)
+
+
+def test_no_fp8_compiles_without_the_round_trip_and_without_the_graph_cache():
+    import torch
+
+    from geoscale_fx import attention, fp8, graph_cache
+
+    s = torch.tensor([0.1234567, 1000.0, -3.3])      # not FP8 values; 1000 saturates
+    divisor = torch.tensor(1.0)
+    assert not torch.equal(fp8.fake_quantize_logits(s, divisor), s)
+    with profile_step.compiling("no-fp8"):
+        assert torch.equal(fp8.fake_quantize_logits(s, divisor), s)
+        assert torch.equal(attention.quantize_dequantize(s, "e4m3"), s)
+        assert not graph_cache.enabled()
+    assert not torch.equal(fp8.fake_quantize_logits(s, divisor), s)
+    assert graph_cache.enabled()
+    with profile_step.compiling("geometry"):
+        assert not torch.equal(fp8.quantize_dequantize(s), s)
