@@ -18,7 +18,7 @@ the scale that stored them. Example::
 
     counters = [torch.zeros(2, dtype=torch.int64) for _ in layers]
     cache = fp8_cache(model.config, layers, "e4m3", counters)   # layers: list[LayerScales]
-    model.generate(input_ids, past_key_values=cache)
+    model.generate(input_ids, cache=cache)     # past_key_values=cache before transformers 5.24
 """
 from __future__ import annotations
 

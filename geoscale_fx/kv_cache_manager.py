@@ -29,9 +29,22 @@ from geoscale_fx.kv_cache_layers import fp8_cache
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.weight_kv_scales import WeightKVScales
 
-__all__ = ["KVCacheManager"]
+__all__ = ["KVCacheManager", "cache_argument"]
 
 log = logging.getLogger("geoscale_fx")
+
+#: the names ``generate`` has taken a cache under: ``cache`` from transformers 5.24
+#: (``past_key_values`` deprecated there, to be removed in 6.0), ``past_key_values`` before
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def cache_argument() -> str:
+    """The name the installed transformers' ``generate`` takes a cache under (its
+    ``ALL_CACHE_NAMES[0]``-style list of cache names)."""
+    from transformers.generation import utils
+
+    names = getattr(utils, "ALL_CACHE_NAMES", ())
+    return "cache" if "cache" in names else "past_key_values"
 
 
 class KVCacheManager:
@@ -65,11 +78,13 @@ class KVCacheManager:
                          max_cache_len=max_cache_len)
 
     def generate_kwargs(self, args: tuple, kwargs: dict) -> dict:
-        """``kwargs`` of a ``generate`` call with an FP8 cache in ``past_key_values`` (unless
-        the caller passed a cache of their own, which is used as is, with a warning)."""
-        if kwargs.get("past_key_values") is not None:
-            log.warning("geoscale: kv_cache=%r: generate got its own past_key_values; it is "
-                        "used as is (not FP8)", self.kv_cache)
+        """``kwargs`` of a ``generate`` call with an FP8 cache under generate's cache argument
+        (``cache_argument``), unless the caller passed a cache of their own under either name,
+        which is used as is, with a warning."""
+        own = next((k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+        if own is not None:
+            log.warning("geoscale: kv_cache=%r: generate got its own %s; it is used as is "
+                        "(not FP8)", self.kv_cache, own)
             return kwargs
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         if not isinstance(ids, torch.Tensor):
@@ -88,7 +103,7 @@ class KVCacheManager:
         elif implementation not in (None, "dynamic"):
             raise ValueError(f"kv_cache={self.kv_cache!r} supports the dynamic and static "
                              f"caches, not cache_implementation={implementation!r}")
-        kwargs["past_key_values"] = self.new_cache(ids, static=static, max_cache_len=max_len)
+        kwargs[cache_argument()] = self.new_cache(ids, static=static, max_cache_len=max_len)
         return kwargs
 
     def after_generate(self) -> None:

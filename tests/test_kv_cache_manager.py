@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.kv_cache_layers import FP8Layer, NVFP4Layer
-from geoscale_fx.kv_cache_manager import KVCacheManager
+from geoscale_fx.kv_cache_manager import KVCacheManager, cache_argument
 from tests.hf_models import build_hf
 
 
@@ -58,17 +58,34 @@ def test_saturation_is_counted_across_caches_and_warned_about(caplog):
 def test_generate_kwargs_build_a_dynamic_or_static_cache(caplog):
     manager = KVCacheManager(build_hf("llama-sdpa"), "nvfp4")
     ids = _ids(length=5)
+    name = cache_argument()
     kwargs = manager.generate_kwargs((ids,), {"max_new_tokens": 3})
-    assert isinstance(kwargs["past_key_values"].layers[0], NVFP4Layer)
+    assert isinstance(kwargs[name].layers[0], NVFP4Layer)
     static = manager.generate_kwargs((), {"input_ids": ids, "max_new_tokens": 3,
                                           "cache_implementation": "static"})
     assert "cache_implementation" not in static
-    assert static["past_key_values"].layers[0].max_cache_len == 5 + 3
-    own = object()
-    with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
-        assert manager.generate_kwargs((ids,), {"past_key_values": own})["past_key_values"] \
-            is own
-    assert "used as is (not FP8)" in caplog.text
+    assert static[name].layers[0].max_cache_len == 5 + 3
+    for given in ("cache", "past_key_values"):      # the caller's own, under either name
+        own = object()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+            out = manager.generate_kwargs((ids,), {given: own})
+        assert out == {given: own}
+        assert f"got its own {given}; it is used as is (not FP8)" in caplog.text
+
+
+def test_the_cache_goes_under_the_name_generate_takes():
+    """transformers 5.24 renamed generate's ``past_key_values`` to ``cache`` (the old name
+    deprecated): the name is read from the installed version's list of cache names."""
+    import transformers
+    from transformers.generation import utils
+
+    expected = "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else \
+        "past_key_values"
+    assert cache_argument() == expected
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) >= (5, 24):
+        assert cache_argument() == "cache"
 
 
 def test_refusals_name_the_option():
