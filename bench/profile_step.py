@@ -198,25 +198,22 @@ def host_split(step: Callable[[], object], calls: int = 20) -> dict[str, float]:
             "host µs": (region - graph) / calls}
 
 
+#: the differences a step's table shows: (label, minuend, subtrahend)
+DIFFERENCES = (("kernel + runtime (none - plain)", "none", "plain"),
+               ("bound + FP8 (geometry - none)", "geometry", "none"),
+               ("bound (no-fp8 - none)", "no-fp8", "none"),
+               ("FP8 round trip (geometry - no-fp8)", "geometry", "no-fp8"))
+
+
 def breakdown_rows(what: str, timings, shape: str) -> list[dict]:
-    """The table rows of one measured step: each program, and the two differences."""
+    """The table rows of one measured step: each program, and the differences."""
     ms = {p: timings.median_ms(p) for p in PROGRAMS}
     rows = [{"step": what, "shape": shape, "program": p, "ms": ms[p],
              "ratio to plain": timings.ratio(p).median,
              "spread": f"{timings.ratio(p).lo:.3f}-{timings.ratio(p).hi:.3f}"}
             for p in PROGRAMS]
-    rows.append({"step": what, "shape": shape, "program": "kernel + runtime (none - plain)",
-                 "ms": ms["none"] - ms["plain"],
-                 "ratio to plain": (ms["none"] - ms["plain"]) / ms["plain"]})
-    rows.append({"step": what, "shape": shape, "program": "bound + FP8 (geometry - none)",
-                 "ms": ms["geometry"] - ms["none"],
-                 "ratio to plain": (ms["geometry"] - ms["none"]) / ms["plain"]})
-    rows.append({"step": what, "shape": shape, "program": "bound (no-fp8 - none)",
-                 "ms": ms["no-fp8"] - ms["none"],
-                 "ratio to plain": (ms["no-fp8"] - ms["none"]) / ms["plain"]})
-    rows.append({"step": what, "shape": shape, "program": "FP8 round trip (geometry - no-fp8)",
-                 "ms": ms["geometry"] - ms["no-fp8"],
-                 "ratio to plain": (ms["geometry"] - ms["no-fp8"]) / ms["plain"]})
+    rows += [{"step": what, "shape": shape, "program": label, "ms": ms[a] - ms[b],
+              "ratio to plain": (ms[a] - ms[b]) / ms["plain"]} for label, a, b in DIFFERENCES]
     return rows
 
 
@@ -266,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         if what == "decode":
             host += [{"program": p, "shape": shape, **host_split(programs[p])}
                      for p in PROGRAMS]
-        print(tabulate(rows[-len(PROGRAMS) - 4:], headers="keys", floatfmt=".4g"),
+        print(tabulate(rows[-len(PROGRAMS) - len(DIFFERENCES):], headers="keys",
+                       floatfmt=".4g"),
               flush=True)
     print(f"\n{args.family} (hidden size {config.hidden_size}), {torch.get_num_threads()} "
           f"threads, clock={args.clock}, "
