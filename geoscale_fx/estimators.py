@@ -211,10 +211,13 @@ class ExactObservedKeys(ExactNormProduct):
 
     #: the running per-key-head maximum of the cached keys' norms (incremental keys)
     RUNNING = "key_norm_max"
+    #: the query factor is kept for ``reuse`` (from the weights, refreshed on the host)
+    KEEPS_QUERY_FACTOR = True
 
     def specs(self):
-        specs = [StateSpec(self.name(self.reports), (self.n_scale,)),
-                 StateSpec(self.name("query_factor"), (self.term.q.n_heads,))]
+        specs = [StateSpec(self.name(self.reports), (self.n_scale,))]
+        if self.KEEPS_QUERY_FACTOR:
+            specs.append(StateSpec(self.name("query_factor"), (self.term.q.n_heads,)))
         if self.term.k.incremental:
             specs.append(StateSpec(self.name(self.RUNNING), (self.term.k.n_heads,)))
         return specs
@@ -253,7 +256,8 @@ class ExactObservedKeys(ExactNormProduct):
 
     def bound(self, hw, state):
         factor = self._query_factor(self._query_norms(hw, state), hw)
-        state[self.name("query_factor")].copy_(factor)
+        if self.KEEPS_QUERY_FACTOR:
+            state[self.name("query_factor")].copy_(factor)
         return self._with_keys(factor, self._key_norms(hw.a_k.detach().reshape(-1), state),
                                state)
 
@@ -300,7 +304,9 @@ class MeasuredOperands(ExactObservedKeys):
     """Both sides observed (``passes.measured_sites``: the weights cannot bound q or k):
     ``s·max_i‖q_h,i‖·max_j‖k_g(h),j‖``, both norms measured in the graph at every call
     (``head_weights.observed_heads``). Nothing depends on the weights alone: no host refresh,
-    no cold start, and ``reuse`` measures again."""
+    no cold start, and ``reuse`` measures again: no query factor is kept."""
+
+    KEEPS_QUERY_FACTOR = False
 
     def refresh(self, hw, state):
         pass

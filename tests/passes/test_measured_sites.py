@@ -123,6 +123,9 @@ def test_the_bound_follows_the_input_from_call_to_call():
         wrapped(10 * x)
         second = geoscale_fx.report(wrapped).rows[0]["bound"]
     assert second == pytest.approx(100 * first, rel=1e-5)
+    # nothing from the weights is kept between calls either (no query factor in the state)
+    names = [k for k in wrapped.state_dict() if k.startswith("geoscale_state.")]
+    assert names and not any("query_factor" in k for k in names)
 
 
 def test_gqa_pairs_each_query_head_with_its_key_head():
