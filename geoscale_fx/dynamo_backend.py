@@ -13,7 +13,6 @@ found, rewrites per lowering and sites left as is.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,8 +41,6 @@ from geoscale_fx.state import GeoscaleState, SiteState, site_key
 __all__ = ["GeoscaleBackend", "backend", "geoscale_backend"]
 
 log = logging.getLogger("geoscale_fx")
-
-_ARGS_ROOT = re.compile(r"^\[\d+\]\.")
 
 
 class GeoscaleBackend:
@@ -193,9 +190,10 @@ class GeoscaleBackend:
             taken = {k for t in list(self._keys.values()) + [self._unowned_keys]
                      for k, _ in t.values()}
             qualified = self._qualified(gm, site, values)
-            # unqualified: a forward reached through ``args[0]`` (accelerate's autocast
-            # wrapper under Trainer(bf16=True)) names sites ``[0].model...``; not the key
-            name = qualified or _ARGS_ROOT.sub("", site.name)
+            # a forward reached through ``args[0]`` (accelerate's autocast wrapper under
+            # Trainer(bf16=True), transformers ≥ 5.24) is named from the model's root by the
+            # analysis itself (``graph_ops.module_path``)
+            name = qualified or site.name
             shard = f".tp{'x'.join(map(str, site.shard.coordinate))}" if site.shard else ""
             if qualified is not None:    # unique in the model: the same key for any owner
                 key = site_key(name + (f"_{occurrence + 1}" if occurrence else "") + shard, ())

@@ -147,9 +147,27 @@ def test_off_where_inductors_fx_graph_cache_is_off():
         assert not graph_cache.enabled()
 
 
-def test_the_source_hash_is_stable_in_a_process():
-    assert graph_cache.source_hash() == graph_cache.source_hash()
-    assert len(graph_cache.source_hash()) == 64
+def test_the_source_hash_follows_every_file_of_the_package(tmp_path, monkeypatch):
+    """A changed, added or renamed source file is another hash (a changed program or
+    estimator must not read a graph traced from the old one)."""
+    (tmp_path / "passes").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "passes" / "b.py").write_text("y = 2\n")
+    monkeypatch.setattr(graph_cache, "_PACKAGE", tmp_path)
+
+    def fresh():
+        monkeypatch.setattr(graph_cache, "_SOURCE_HASH", None)
+        return graph_cache.source_hash()
+
+    first = fresh()
+    assert fresh() == first and len(first) == 64
+    (tmp_path / "passes" / "b.py").write_text("y = 3\n")
+    changed = fresh()
+    (tmp_path / "c.py").write_text("")
+    added = fresh()
+    (tmp_path / "c.py").rename(tmp_path / "d.py")
+    renamed = fresh()
+    assert len({first, changed, added, renamed}) == 4
 
 
 # --- through the backend: Inductor's compile_fx stood in for by aot_eager (fast) -------------
