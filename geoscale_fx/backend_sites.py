@@ -1,17 +1,12 @@
 """What the backend reads off a captured graph about its sites: records, owners, context.
 
 Which model a site belongs to is decided by the parameter tensors it reads (``site_owners``,
-held weakly in a ``SiteRecord``), and a site's name in the model by the model's name of the
-first of them (``ParameterNames``). ``graph_context`` gives the plan the graph-wide facts it
-needs (device, training, symbolic shapes, N = the heads of every site, over every
-tensor-parallel rank: ``global_heads``).
-
-    names = ParameterNames(model)
-    names(model.attn.q_proj.weight)          # "attn.q_proj.weight"
+held weakly in a ``SiteRecord``); its name in the model by identity (``passes.module_names``).
+``graph_context`` gives the plan the graph-wide facts it needs (device, training, symbolic
+shapes, N = the heads of every site, over every tensor-parallel rank: ``global_heads``).
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -24,7 +19,7 @@ from geoscale_fx.plan import GraphContext, SitePlan
 from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import SiteState
 
-__all__ = ["SiteRecord", "ParameterNames", "placeholder_values", "upstream_placeholders",
+__all__ = ["SiteRecord", "placeholder_values", "upstream_placeholders",
            "site_owners", "graph_context", "global_heads", "symbolic_shapes", "site_device"]
 
 
@@ -44,30 +39,6 @@ class SiteRecord:
 
     def belongs_to(self, params: Sequence[torch.Tensor]) -> bool:
         return any(p in self.owners for p in params)
-
-
-class ParameterNames:
-    """``names(tensor)``: a model's qualified name of a parameter or buffer, or None.
-
-    Read again on a miss: FSDP2 registers the unsharded parameters on the module while it
-    runs, so the tensors a compiled block receives are found under their usual names.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self._model = weakref.ref(model)
-        self._names = WeakIdKeyDictionary()
-
-    def __call__(self, tensor) -> str | None:
-        if not isinstance(tensor, torch.Tensor):
-            return None
-        name = self._names.get(tensor)
-        model = self._model()
-        if name is None and model is not None:
-            for name_, t in list(model.named_parameters(remove_duplicate=False)) + \
-                    list(model.named_buffers(remove_duplicate=False)):
-                self._names.setdefault(t, name_)
-            name = self._names.get(tensor)
-        return name
 
 
 def placeholder_values(gm: GraphModule, example_inputs) -> dict[str, Any]:

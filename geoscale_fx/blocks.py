@@ -25,7 +25,6 @@ from torch import nn
 
 from geoscale_fx.attach import attach_state
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.backend_sites import ParameterNames
 from geoscale_fx.dynamo_backend import GeoscaleBackend
 
 __all__ = ["compile_blocks"]
@@ -39,7 +38,7 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], *, fullgraph: 
     options = GeoscaleOptions.from_kwargs(**options).without_kv_cache(
         "geoscale_fx.compile_blocks")
     state = attach_state(model)    # registered on the model, load_state_dict hooked
-    backend = GeoscaleBackend(options, state=state, owned=True, qualify=ParameterNames(model))
+    backend = GeoscaleBackend(options, state=state, owned=True, model=model)
     blocks = list(blocks)
     if not blocks:
         raise ValueError("compile_blocks: no blocks given")

@@ -20,6 +20,7 @@ import torch
 from torch.fx import GraphModule
 
 from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.passes.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.site_model import AttentionSite
 
 __all__ = ["CapturedGraph", "capture_graphs", "find_attention"]
@@ -41,8 +42,12 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
     are static by default, so a capture does not depend on earlier captures' shapes.
     """
     captured: list[CapturedGraph] = []
+    root = model if isinstance(model, torch.nn.Module) else None
 
     def recorder(gm: GraphModule, example_inputs):
+        # sites are named in ``model`` (a function: in the module its frame reached)
+        attach_model(gm, root if root is not None else frame_root(gm))
+        graph_names(gm, example_inputs).annotate(gm)     # ``parameter_name`` of its inputs
         captured.append(CapturedGraph(gm, list(example_inputs)))
         return gm.forward
 

@@ -13,7 +13,8 @@ found, rewrites per lowering and sites left as is.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+import weakref
+from typing import Any, Sequence
 
 import torch
 from torch._dynamo.backends.debugging import aot_eager
@@ -23,13 +24,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
-                                       placeholder_values, site_device, site_owners,
-                                       upstream_placeholders)
+                                       placeholder_values, site_device, site_owners)
 from geoscale_fx import graph_cache
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.aten_trace import aten_graph
-from geoscale_fx.passes.graph_ops import parameter_name
+from geoscale_fx.passes.checkpoint_inline import inline_activation_checkpoints
+from geoscale_fx.passes.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.plan import (
     SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
@@ -47,14 +48,14 @@ class GeoscaleBackend:
     """A configured backend; ``state`` holds every site's scaling state (see ``wrap``)."""
 
     def __init__(self, options: GeoscaleOptions | None = None, state: GeoscaleState | None = None,
-                 owned: bool = False,
-                 qualify: Callable[[torch.Tensor], str | None] | None = None):
+                 owned: bool = False, model: torch.nn.Module | None = None):
         self.options = options or GeoscaleOptions()
         self.state = state if state is not None else GeoscaleState()
         self.owned = owned
-        #: the model's name of a parameter (``wrap``, ``compile_blocks``): names each site
-        #: by its module's path in the model, whichever graph (whole model or one block) it is in
-        self.qualify = qualify
+        #: the model this backend compiles (``wrap``, ``apply_``, ``compile_blocks``; held
+        #: weakly): its sites are named by their module's path in it, whichever graph (whole
+        #: model or one block) they are in and however the frame reached them
+        self._model = weakref.ref(model) if model is not None else None
         #: how many blocks one graph may serve (``compile_blocks``): N of alpha="theory"
         #: counts every block's heads, not only those of the block compiled first
         self.graph_multiplicity = 1
@@ -68,9 +69,16 @@ class GeoscaleBackend:
         self.runtimes: list = []   # GraphRuntime of every graph with rewritten sites
         BACKENDS.register(self)     # report(model) finds it (backend_registry)
 
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._model() if self._model is not None else None
+
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self.compiles += 1
         counters["geoscale"]["graphs"] += 1
+        model = self.model if self.model is not None else frame_root(gm)
+        gm = inline_activation_checkpoints(gm)   # attention inside checkpointed regions
+        attach_model(gm, model)      # sites are named in it (``passes.module_names``)
         sites = [runnable(s) for s in
                  analyze_graph(gm, example_inputs, rope_bound=self.options.rope_bound)]
         counters["geoscale"]["sites_found"] += len(sites)
@@ -122,7 +130,7 @@ class GeoscaleBackend:
         plans, states = [], []
         for site in sites:
             owners = site_owners(gm, site, values)
-            key, name = self._key(gm, site, sites, owners, values)
+            key, name = self._key(site, sites, owners, site.name)
             result = plan_site(site, self.options, key, ctx)
             if isinstance(result, Skip):
                 self._skip(site, result.reason, owners)
@@ -157,10 +165,13 @@ class GeoscaleBackend:
         """States of the modules whose parameters are ``args`` (a graph serving another
         block than the one it was compiled for): keyed like at compile time, cold if new."""
         values = placeholder_values(gm, args)
+        names = graph_names(gm, values, self.model)   # the bound module's path
+        by_name = {n.name: n for n in gm.graph.nodes}
         states = []
         for plan in plans:
             owners = site_owners(gm, plan.site, values)
-            key, name = self._key(gm, plan.site, sites, owners, values)
+            name = names.module(by_name[plan.site.node]) or plan.site.name
+            key, name = self._key(plan.site, sites, owners, name)
             state = self.state.get_or_create(key, plan.state_specs(),
                                              site_device(values, plan.site))
             self.records[key] = SiteRecord(plan.site, plan, state, owners, name=name)
@@ -177,11 +188,11 @@ class GeoscaleBackend:
     def _n_heads_seen(self) -> int:
         return sum(global_heads(r.site) for r in self.records.values())
 
-    def _key(self, gm, site: AttentionSite, sites, owners: WeakIdKeyDictionary,
-             values: dict) -> tuple[str, str]:
-        """``(state key, display name)``, stable across recompiles: module path (qualified
-        by the model when the backend knows it), its n-th call in the graph, the weights;
-        a tensor-parallel site's key names the rank's shard (its state is its heads')."""
+    def _key(self, site: AttentionSite, sites, owners: WeakIdKeyDictionary,
+             name: str) -> tuple[str, str]:
+        """``(state key, display name)``, stable across recompiles: ``name`` (the site's
+        module path in the model), its n-th call in the graph, the weights; a
+        tensor-parallel site's key names the rank's shard (its state is its heads')."""
         occurrence = sum(1 for s in sites if s.name == site.name and s.index < site.index)
         identity = (site.name, occurrence)
         first = next(iter(owners.keys()), None)
@@ -189,32 +200,14 @@ class GeoscaleBackend:
         if identity not in table:
             taken = {k for t in list(self._keys.values()) + [self._unowned_keys]
                      for k, _ in t.values()}
-            qualified = self._qualified(gm, site, values)
-            # a forward reached through ``args[0]`` (accelerate's autocast wrapper under
-            # Trainer(bf16=True), transformers ≥ 5.24) is named from the model's root by the
-            # analysis itself (``graph_ops.module_path``)
-            name = qualified or site.name
             shard = f".tp{'x'.join(map(str, site.shard.coordinate))}" if site.shard else ""
-            if qualified is not None:    # unique in the model: the same key for any owner
+            if self.model is not None and site.supported:   # a path in the backend's model:
                 key = site_key(name + (f"_{occurrence + 1}" if occurrence else "") + shard, ())
             else:
                 base = name if self.owned else f"{name}@{len(taken)}"
                 key = site_key(base + shard, taken)
             table[identity] = (key, name)
         return table[identity]
-
-    def _qualified(self, gm, site: AttentionSite, values: dict) -> str | None:
-        """The site's module path in the model: the graph-relative path of its first
-        parameter (Dynamo's source) against the model's name for that tensor."""
-        if self.qualify is None or not site.supported or not site.weight_nodes:
-            return None
-        for node in upstream_placeholders(gm, site.weight_nodes[:1]):
-            full = self.qualify(values.get(node.name))
-            relative = parameter_name(node)
-            if full and full.endswith(relative):
-                prefix = full[:len(full) - len(relative)].rstrip(".")
-                return f"{prefix}.{site.name}" if prefix and site.name else prefix or site.name
-        return None
 
     # ---- compiled variants --------------------------------------------------------------
     def _variants(self, gm, example_inputs, plans, states, training: bool) -> dict:

@@ -33,6 +33,7 @@ from geoscale_fx.key_norm_trust import KeyNormTrust
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name, upstream
+from geoscale_fx.passes.module_names import graph_tensor_names
 from geoscale_fx.plan import SitePlan
 from geoscale_fx.scaling import NonFiniteWeights
 from geoscale_fx.state import SiteState
@@ -89,6 +90,8 @@ class GraphRuntime:
         self.gm, self.plans, self.states = gm, plans, states
         self.kinds = ValueKinds(gm.graph, example_inputs)
         self.by_name = {n.name: n for n in gm.graph.nodes}
+        #: the model's name of a tensor, by identity (``passes.module_names``)
+        self.name_of = graph_tensor_names(gm)
         self.variants = {name: _Lazy(build) for name, build in variants.items()}
         self._main = "reuse" if "reuse" in self.variants else "predict"
         self._auto_alpha = any(p.options.alpha == "auto" for p in plans)
@@ -223,14 +226,14 @@ class GraphRuntime:
         of every site's bound on the host, where the ``reuse`` graph reads it."""
         for plan, state in zip(self.plans, states):
             weights = self.weights(args, plan)
-            check_finite(plan, weights, self.by_name)
+            check_finite(plan, weights, self.by_name, self.name_of)
             plan.policy.refresh(weights, state.as_dict())
         counters["geoscale"]["weight_refreshes"] += 1
 
     def _cold_start(self, args, cold) -> None:
         for plan, state in cold:
             weights = self.weights(args, plan)
-            check_finite(plan, weights, self.by_name)
+            check_finite(plan, weights, self.by_name, self.name_of)
             used = plan.policy.cold_start(weights, state.as_dict(), _generator(state))
             state.cold = False
             counters["geoscale"]["cold_starts"] += 1
@@ -239,7 +242,7 @@ class GraphRuntime:
     def diagnose(self, args) -> None:
         """Raise ``NonFiniteWeights`` naming the first site and parameter that is not finite."""
         for plan in self.plans:
-            check_finite(plan, self.weights(args, plan), self.by_name)
+            check_finite(plan, self.weights(args, plan), self.by_name, self.name_of)
 
     def calibrating(self, states: list[SiteState]) -> bool:
         """Auto-α: whether any site of this graph is still in its burn-in (host mirror)."""
@@ -317,14 +320,20 @@ def finalize_calibration(plan: SitePlan, state: SiteState) -> torch.Tensor:
     return alpha_final
 
 
-def check_finite(plan: SitePlan, weights: dict, by_name: dict[str, Node]) -> None:
+def check_finite(plan: SitePlan, weights: dict, by_name: dict[str, Node],
+                 name_of: Callable[[Any], str | None] | None = None) -> None:
+    """Raise ``NonFiniteWeights`` naming the site and the first parameter with inf/nan
+    (``name_of``: the model's name of a tensor, by identity, for a graph serving another
+    block than the one it was compiled for)."""
     for name, value in weights.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and \
                 value.device.type != "meta" and not bool(torch.isfinite(value).all()):
             bad = int((~torch.isfinite(value)).sum())
+            label = (name_of(value) if name_of is not None else None) or \
+                _param_label(by_name[name])
             raise NonFiniteWeights(
                 f"geoscale: attention site '{plan.site.name}': parameter "
-                f"'{_param_label(by_name[name])}' has {bad} non-finite value(s) out of "
+                f"'{label}' has {bad} non-finite value(s) out of "
                 f"{value.numel()}; the logit bound (and the FP8 scale) would be NaN")
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import geoscale_fx
-from geoscale_fx.backend_sites import (ParameterNames, SiteRecord, global_heads, graph_context,
+from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners,
                                        symbolic_shapes, upstream_placeholders)
 from geoscale_fx.capture import capture_graphs
@@ -118,29 +118,6 @@ def test_one_backend_serving_two_models_keeps_their_sites_apart():
     owners = [(r.belongs_to(list(first.parameters())), r.belongs_to(list(second.parameters())))
               for r in records]
     assert owners == [(True, False), (False, True)]
-
-
-def test_parameter_names_are_the_models_and_read_again_on_a_miss():
-    model = Attention()
-    model.register_buffer("scale", torch.ones(1))
-    model.tied = model.q                            # the same module under a second name
-    names = ParameterNames(model)
-    assert names(model.q.weight) == "q.weight"      # the first name of a shared tensor
-    assert names(model.scale) == "scale"
-    assert names(torch.ones(1)) is None and names("q.weight") is None
-    model.extra = nn.Linear(D, D)                   # registered after the first lookup
-    assert names(model.extra.bias) == "extra.bias"
-
-
-def test_parameter_names_do_not_keep_the_model_alive():
-    model = Attention()
-    names, alive = ParameterNames(model), weakref.ref(model)
-    weight = model.k.weight
-    assert names(weight) == "k.weight"
-    del model
-    gc.collect()
-    assert alive() is None
-    assert names(torch.ones(1)) is None             # a miss with the model gone
 
 
 def test_graph_context_reads_device_training_and_heads():

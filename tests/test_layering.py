@@ -37,7 +37,7 @@ LAYERS = {
     # policies and planning
     "scaling": POLICIES, "qkv_scaling": POLICIES, "plan": POLICIES,
     # analysis: FX passes that find and describe sites, and the capture that runs them
-    "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.index_track": ANALYSIS,
+    "passes.module_names": ANALYSIS, "passes.checkpoint_inline": ANALYSIS, "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.index_track": ANALYSIS,
     "passes.rotary_replay": ANALYSIS, "passes.dtensor": ANALYSIS,
     "passes.index_replay": ANALYSIS,
     "passes.normalization": ANALYSIS, "passes.value_bound": ANALYSIS, "passes.provenance": ANALYSIS,

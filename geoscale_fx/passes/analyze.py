@@ -11,6 +11,10 @@ fields, or ``Unsupported`` whose message — naming the graph node — becomes t
 (``passes.measured_sites``), which planning runs; otherwise it is left in high precision.
 A new attention form is a new kind in ``find_sites`` and one entry here.
 
+A site is named by its module's path in the model the graph was captured from, found by
+identity (``passes.module_names``: the graph's parameters and its module calls), never
+from how Dynamo reached the model; a graph with no model names its sites by their node.
+
 Example::
 
     for i, g in enumerate(capture_graphs(model, x)):    # geoscale_fx.capture: Dynamo's graphs
@@ -28,9 +32,10 @@ from torch.fx import GraphModule
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.find_sites import find_candidates
-from geoscale_fx.passes.graph_ops import ValueKinds, module_path, op_of
+from geoscale_fx.passes.graph_ops import ValueKinds, op_of
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.measured_sites import measured_fields
+from geoscale_fx.passes.module_names import graph_names
 from geoscale_fx.passes.opaque_attention import analyze_encoder_layer, analyze_mha
 from geoscale_fx.passes.traced_operands import analyze_operands
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
@@ -58,6 +63,8 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
     """Find and analyse every attention in ``gm`` (a Dynamo graph: params are placeholders)."""
     if rope_bound not in ROPE_BOUNDS:
         raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
+    names = graph_names(gm, example_inputs)
+    names.annotate(gm)
     kinds = ValueKinds(gm.graph, example_inputs)
     evaluator = ParamEvaluator(gm, example_inputs, kinds)
     order = NodeOrder(gm.graph)
@@ -71,7 +78,7 @@ def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index
 
     sites = []
     for i, cand in enumerate(find_candidates(gm.graph, kinds)):
-        base = dict(name=module_path(cand.node) or cand.node.name, index=first_index + i,
+        base = dict(name=names.module(cand.node) or cand.node.name, index=first_index + i,
                     kind=cand.kind, node=cand.node.name, graph=graph_index,
                     rope_bound=rope_bound,
                     nodes=tuple((role, n.name) for role, n in cand.roles.items()),

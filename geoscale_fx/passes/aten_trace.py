@@ -14,7 +14,9 @@ A training graph is traced with ``pre_dispatch=True``: above autograd, so what A
 differentiates afterwards is the same autograd-level computation (``detach``, grad-mode
 changes as ``torch._C._set_grad_enabled`` nodes), and the joint graph, its partition and
 the backward are those of the untraced graph. An inference graph is traced below autograd
-(no gradient to keep). Graphs with symbolic shapes are returned unchanged: the trace
+(no gradient to keep). Graphs with checkpointed regions (``passes.checkpoint_inline``: nodes
+tagged for recomputation, which the trace would drop) and graphs with symbolic shapes are
+returned unchanged: the trace
 records ``view``s whose legality depends on strides. Tensor-subclass inputs (DTensor) and
 graphs compiled outside Dynamo's compile (no fake inputs to trace with) are returned
 unchanged too.
@@ -40,6 +42,8 @@ def aten_graph(gm: GraphModule, inputs: Sequence[Any], training: bool = False) -
             isinstance(x, torch.Tensor) and type(x) not in (torch.Tensor, torch.nn.Parameter,
                                                             FakeTensor) for x in inputs):
         return gm
+    if any("recompute" in n.meta for n in gm.graph.nodes):
+        return gm       # checkpointed regions: AOTAutograd must see their recompute tags
     fake_mode = context.fake_mode
     fakes = [_fake(x, fake_mode, context) for x in inputs]
     if any(_symbolic(x) for x in fakes):

@@ -289,10 +289,31 @@ def _through_mask(node: Node, operands, kinds: ValueKinds, cand: CandidateDraft,
             cand.roles.setdefault("blocker", trial.roles["blocker"])
         if found is not None:
             cand.scale, cand.has_mask = trial.scale, True
-            cand.modifiers[:0] = trial.modifiers + [("mask", node, float("nan"))]
+            added = [o for o in operands if o is not x]
+            kind, value = ("position_bias", -1.0 if op_of(node) == "sub" else 1.0) \
+                if op_of(node) in ("add", "sub") and any(_reads_parameters(o, kinds)
+                                                         for o in added) \
+                else ("mask", float("nan"))
+            cand.modifiers[:0] = trial.modifiers + [(kind, node, value)]
             cand.roles.update(trial.roles)
             return found
     return None
+
+
+def _reads_parameters(node, kinds: ValueKinds, depth: int = 24) -> bool:
+    """Whether a term added to the scores is computed from parameters (a learned position
+    bias: MPNet's bucketed table, DeBERTa's content-to-position and position-to-content
+    terms), not only from the inputs and constants (an attention mask)."""
+    stack, seen = [(node, 0)], set()
+    while stack:
+        node, d = stack.pop()
+        if not isinstance(node, Node) or node in seen or d > depth:
+            continue
+        seen.add(node)
+        if node.op in ("placeholder", "get_attr") and kinds.is_param(node):
+            return True
+        stack.extend((n, d + 1) for n in node.all_input_nodes)
+    return False
 
 
 def _product_with_values(softmax: Node, cand: CandidateDraft) -> Optional[Node]:

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from geoscale_fx.passes.module_names import NAME_META
+
 __all__ = [
     "op_of", "arg", "upstream", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
-    "ValueKinds", "module_path", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
+    "ValueKinds", "parameter_name", "DATA_MOVEMENT", "VALUE_CASTS",
     "DTENSOR_OPS", "strip_casts", "is_last_dim", "same_value",
 ]
 
@@ -36,6 +37,9 @@ _FUNCTIONS: dict[Any, str] = {
     operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
     torch.true_divide: "div", operator.add: "add", torch.add: "add", operator.sub: "sub",
     torch.sub: "sub", operator.neg: "neg", torch.neg: "neg",
+    # ``S += bias`` (MPNet's position bias): Dynamo rebinds the name to the result node, so
+    # as values the in-place operators are their out-of-place ones
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
     F.softmax: "softmax", torch.softmax: "softmax", torch._softmax: "softmax",
     F.dropout: "dropout", torch.dropout: "dropout",
     F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm",
@@ -194,7 +198,43 @@ def scalar_constant(value: Any) -> float | None:
         if value.target in (torch.scalar_tensor, torch.tensor) and value.args and \
                 isinstance(value.args[0], (int, float)) and not isinstance(value.args[0], bool):
             return float(value.args[0])      # ``torch.scalar_tensor(0)`` as a fill value
+        folded = _fold(value)
+        if folded is not None and folded.numel() == 1:
+            return float(folded)
     return None
+
+
+#: ops a one-element constant is folded through (``scalar_constant``)
+_FOLDABLE = frozenset({"mul", "div", "add", "sub", "neg", "sqrt", "rsqrt", "pow", "cast",
+                       "contiguous", "clone", "detach"})
+
+
+def _fold(node: Any, depth: int = 8) -> torch.Tensor | None:
+    """The value of a small constant expression, computed as the graph would (its dtype
+    casts included): DeBERTa's scale ``sqrt(tensor(d_h, dtype=float) · 3).to(dtype)``.
+    None where any input is not a literal or such an expression."""
+    if not isinstance(node, Node):
+        return node if isinstance(node, (int, float, torch.dtype)) and \
+            not isinstance(node, bool) else None
+    if depth == 0 or node.op not in ("call_function", "call_method"):
+        return None
+    if node.target is torch.tensor:
+        literal = node.args[0] if node.args else None
+        if not isinstance(literal, (int, float)) or isinstance(literal, bool) or \
+                any(isinstance(v, Node) for v in node.kwargs.values()):
+            return None
+        return torch.tensor(literal, **{k: v for k, v in node.kwargs.items()
+                                        if k == "dtype"})
+    if op_of(node) not in _FOLDABLE:
+        return None
+    args = [_fold(a, depth - 1) if isinstance(a, Node) else a for a in node.args]
+    if any(a is None for a in args) or not any(isinstance(a, torch.Tensor) for a in args) or \
+            any(isinstance(v, Node) for v in node.kwargs.values()):
+        return None
+    kwargs = {k: v for k, v in node.kwargs.items() if k in ("dtype", "alpha")}
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
 
 
 def static_bool(value: Any) -> bool:
@@ -251,31 +291,10 @@ def _is_state(node: Node, value: Any) -> bool:
     return "_parameters[" in name or "_buffers[" in name or ".parameters." in name
 
 
-#: the root of a Dynamo source: ``L['self']``, or ``L['args'][0]`` where the forward is reached
-#: through a ``*args`` wrapper whose first argument is the model (transformers ≥ 5.24)
-_MODULE_ROOT = re.compile(r"^L\['[^']*'\](?:\[0\])?\.?")
-
-
-def module_path(node: Node) -> str:
-    """Module path of the innermost ``nn.Module`` that produced ``node`` (``"h.3.attn"``)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path, _cls = list(stack.values())[-1]
-    path = _MODULE_ROOT.sub("", str(path))
-    return re.sub(r"\._modules\['([^']+)'\]|\['([^']+)'\]", lambda m: "." + (m[1] or m[2]),
-                  path).lstrip(".")
-
-
 def parameter_name(node: Node) -> str:
-    """Dotted parameter/buffer name behind a placeholder, else the node's name."""
-    source = getattr(node, "_dynamo_source", None)
-    if source is None:
-        return node.name
-    name = source.name() if callable(getattr(source, "name", None)) else str(source.name)
-    name = _MODULE_ROOT.sub("", name)
-    name = re.sub(r"\.?_(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
-    return name.lstrip(".") or node.name
+    """The model's name of the parameter or buffer behind a placeholder, found by identity
+    when the graph was analysed (``passes.module_names``), else the node's name."""
+    return node.meta.get(NAME_META) or node.name
 
 
 def strip_casts(node):

@@ -26,6 +26,7 @@ from geoscale_fx import scaling
 from geoscale_fx.attention import explicit_attention, fused_attention
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.fp8 import fake_quantize_logits
+from geoscale_fx.passes.checkpoint_inline import RECOMPUTE_TAGS
 from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read
 from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
@@ -279,7 +280,12 @@ def rewrite(gm: GraphModule, plans: Sequence[SitePlan],
     for plan, names, nodes in zip(plans, states, state_nodes):
         weights = _local_weights(graph, [by_name[w] for w in plan.weight_names])
         replace = _replace_inplace if plan.lowering == "inplace" else _replace_sdpa
+        tags = {k: v for k, v in by_name[plan.site.node].meta.items() if k in RECOMPUTE_TAGS}
+        before = set(graph.nodes)
         replace(graph, by_name, plan, names, weights, nodes)
+        for node in graph.nodes:   # a site in a checkpointed region: recomputed with it
+            if tags and node not in before:
+                node.meta.update(tags)
     graph.lint()
     # a fresh GraphModule: without Dynamo's metadata, which aot_autograd would insist on
     return GraphModule(gm, graph)

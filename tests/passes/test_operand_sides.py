@@ -16,7 +16,7 @@ CAND = SimpleNamespace(node=SimpleNamespace(name="attn"))
 
 
 def _node(name, op="call_function"):
-    return SimpleNamespace(name=name, op=op)
+    return SimpleNamespace(name=name, op=op, meta={})
 
 
 def _rows(features=((0, 1), (2, 3)), rotation=0.0, gain=1.0):
