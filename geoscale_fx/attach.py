@@ -7,28 +7,38 @@ Shared by the two forms, ``wrap(model)`` (a wrapper module) and ``apply_(model)`
   that weights loaded without their state mark every site cold (``detach_state`` undoes
   both, for ``restore_``);
 * ``GeoscaleCall`` is the model's compiled call with the checks a user must hear about:
-  a call in which Dynamo ran none of our graphs (its recompile limit: the model ran without
-  FP8) is counted and warned about once, and a model in which the first call found no
-  attention to scale (or left every attention as is) is warned about once.
+  a call in which Dynamo ran none of our graphs (the model ran without FP8) is counted and
+  warned about once, a model in which the first call found no attention to scale (or left
+  every attention as is) is warned about once, and so are hooks added to its modules
+  between compiles (each addition recompiles); compiles are counted and timed for
+  ``report``.
 
-``isolate_recompiles=True`` gives every attached model its own Dynamo cache: many instances
-of one class never reach the recompile limit, which would silently fall back to eager.
+Every attached model compiles its own code object in its own Dynamo cache region
+(``isolate_recompiles``), limited to ``RECOMPILE_LIMIT`` entries; a full region is renewed
+rather than left to fall back to eager (``CompiledRegion``): a training loop that alternates
+grad modes, prompt and completion lengths, fresh and growing caches keeps FP8 on every call.
 """
 from __future__ import annotations
 
 import logging
+import time
+import functools
+import inspect
+import types
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _get_cache_entries_for_region
+from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.backend_sites import ParameterNames
 from geoscale_fx.dynamo_backend import GeoscaleBackend
 from geoscale_fx.state import STATE_ATTR, GeoscaleState
 
-__all__ = ["STATE_ATTR", "GeoscaleCall", "attach_state", "detach_state",
-           "compile_with_geoscale", "compile_module", "disable_hf_auto_compile",
+__all__ = ["STATE_ATTR", "GeoscaleCall", "CompiledRegion", "RECOMPILE_LIMIT", "attach_state", "detach_state",
+           "compile_with_geoscale", "compile_module", "route_forward", "unroute_forward", "disable_hf_auto_compile",
            "enable_hf_auto_compile", "geoscale_call"]
 
 log = logging.getLogger("geoscale_fx")
@@ -73,43 +83,142 @@ def _mark_cold_without_state(module: nn.Module, incompatible) -> None:
         state.mark_cold()
 
 
-class GeoscaleCall:
-    """A model's compiled call that notices when geoscale did not scale it."""
+#: how many compiled entries geoscale lets its call's region hold (Dynamo's own default is 8):
+#: a training loop alternates grad modes, fresh and growing caches and a few input
+#: layouts (measured: TRL GRPO settles at 9 entries, see ``CompiledRegion``)
+RECOMPILE_LIMIT = 32
 
-    def __init__(self, compiled: Callable, backend: GeoscaleBackend, model_name: str):
-        self.compiled, self.backend, self.model_name = compiled, backend, model_name
+
+class CompiledRegion:
+    """The model's call compiled in a region of its own, renewed before Dynamo's limit.
+
+    ``compile_fn(limit)`` returns a fresh compile of the call: a new code object (its own frame
+    state and counters) in its own cache region (``isolate_recompiles``), limited to
+    ``RECOMPILE_LIMIT`` entries. Past that limit Dynamo would run every new state of the
+    model eagerly (without FP8); instead, once the region is full, it is dropped with its
+    entries and the call compiled afresh, each state again on its first use. A loop with a
+    few modes never fills it; one whose guards keep changing (hooks added at every step, a
+    new Python constant per call) recompiles, as plain ``torch.compile`` with no limit
+    would, but never runs uncompiled and never holds more than ``RECOMPILE_LIMIT`` entries.
+    """
+
+    def __init__(self, compile_fn: Callable[[int], Callable]):
+        self._compile_fn = compile_fn
+        self.limit = RECOMPILE_LIMIT
+        self.compiled = compile_fn(self.limit)
+        self.renewals = 0
+
+    def entries(self) -> int:
+        """Compiled entries of the call's frame in the current region."""
+        code = self.compiled._torchdynamo_orig_callable.__code__
+        return len(_get_cache_entries_for_region(code, self.compiled._isolate_recompiles_id))
+
+    def renew_if_full(self, model_name: str) -> bool:
+        if self.entries() < self.limit:
+            return False
+        self.compiled = self._compile_fn(self.limit)
+        self.renewals += 1
+        (log.warning if self.renewals == 1 else log.info)(
+            "geoscale: %s's compiled call reached %d entries (states that Dynamo's guards "
+            "tell apart: grad mode, cache states, shapes, hooks added to modules, ...): "
+            "they are dropped and each state compiles again on its next use (renewal %d; "
+            "TORCH_LOGS=recompiles lists the reasons)", model_name, self.limit,
+            self.renewals)
+        return True
+
+
+class GeoscaleCall:
+    """A model's compiled call that notices when geoscale did not scale it, and keeps the
+    compiles it needs (``CompiledRegion``) counted and timed for ``report``."""
+
+    def __init__(self, compile_fn: Callable[[int], Callable], backend: GeoscaleBackend,
+                 model_name: str, model: nn.Module | None = None):
+        self.region = CompiledRegion(compile_fn)
+        self.backend, self.model_name = backend, model_name
+        self._model = weakref.ref(model) if model is not None else None
+        self._hooks: dict[str, tuple[str, ...]] | None = None   # at the last compile
+        self._hooks_warned = False
+        self.depth = 0            # > 0 while the compiled call runs (``route_forward``)
+        self.probe = OutsideCallProbe(self)
+        self.calls = 0            # calls of the model through this call
         self.eager_calls = 0      # calls in which none of our compiled graphs ran
+        self.compiling_calls = 0  # calls in which Dynamo compiled (or recompiled) a graph
+        self.compile_seconds = 0.0   # their wall time (tracing, compiling, and the call)
         self._checked_sites = False
+
+    @property
+    def compiled(self) -> Callable:
+        return self.region.compiled
 
     @property
     def options(self) -> GeoscaleOptions:
         return self.backend.options
 
     def __call__(self, *args, **kwargs):
-        calls = self.backend.graph_calls
-        out = self.compiled(*args, **kwargs)
-        if self.backend.graph_calls == calls:
+        backend = self.backend
+        calls, compiles = backend.graph_calls, backend.compiles
+        self.calls += 1
+        start = time.perf_counter()
+        self.depth += 1
+        try:
+            out = self.region.compiled(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if backend.compiles != compiles:
+            self.compiling_calls += 1
+            self.compile_seconds += time.perf_counter() - start
+            self._check_hooks()
+            self.region.renew_if_full(self.model_name)
+        if backend.graph_calls == calls:
             self._ran_eagerly()
         elif not self._checked_sites:
             self._checked_sites = True
             self._check_sites()
         return out
 
+    def _check_hooks(self) -> None:
+        """At a compile: modules that gained hooks since the previous compile, said once.
+        Dynamo guards on every module's hooks (those of modules that had none excepted), so
+        a hook registered again at every step recompiles every state of the model."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return
+        hooks = module_hooks(model)
+        before, self._hooks = self._hooks, hooks
+        if before is None or self._hooks_warned:
+            return
+        grown = [(path, len(before.get(path, ())), names) for path, names in hooks.items()
+                 if len(names) > len(before.get(path, ())) and before.get(path)]
+        if grown:
+            self._hooks_warned = True
+            log.warning(
+                "geoscale: %s: hooks were added to %s since its previous compile; Dynamo "
+                "guards on a module's hooks, so each addition recompiles every state of the "
+                "model (a hook registered at every step, as transformers' "
+                "enable_input_require_grads is at each gradient-checkpointing enable, "
+                "recompiles at every step)", self.model_name,
+                "; ".join(f"{path or '(the model)'} ({n} → {len(names)}: "
+                          f"{', '.join(sorted(set(names)))})" for path, n, names in grown))
+
     def _ran_eagerly(self) -> None:
-        """Dynamo ran the model without our graphs (recompile limit, a skipped frame): the
-        attention ran in high precision. Say so once, loudly, and count it for ``report``."""
+        """Dynamo ran the model without our graphs (a skipped frame, a limit of its own):
+        the attention ran in high precision. Say so once, loudly, and count it for
+        ``report``."""
         self.eager_calls += 1
         if self.eager_calls == 1:
             log.warning(
                 "geoscale: %s ran eagerly, WITHOUT FP8 attention scaling: Dynamo did not run "
-                "its compiled graphs (torch._dynamo.config.recompile_limit=%d reached, or the "
-                "frame was skipped). geoscale_fx.report() counts these calls.",
-                self.model_name, torch._dynamo.config.recompile_limit)
+                "its compiled graphs (the frame was skipped, or a recompile limit reached). "
+                "geoscale_fx.report() counts these calls.", self.model_name)
 
     def _check_sites(self) -> None:
-        """After the first compiled call: a model with nothing scaled is never silent."""
+        """After the first compiled call: a model with nothing scaled is never silent; the
+        modules it scales are probed for calls outside this one (``OutsideCallProbe``)."""
         backend = self.backend
         if backend.records:
+            model = self._model() if self._model is not None else None
+            if model is not None:
+                self.probe.install(model, [r.name for r in backend.records.values()])
             return
         if backend.skipped:
             log.warning("geoscale: %s: all %d attention site(s) found were left as is, none "
@@ -121,18 +230,114 @@ class GeoscaleCall:
                         "softmax(QKᵀ)·V attention only", self.model_name, backend.compiles)
 
 
-def compile_with_geoscale(model: nn.Module, options: GeoscaleOptions,
-                          compile_fn: Callable[..., Any]) -> GeoscaleCall:
-    """Attach the state, build the model's own backend and compile with it.
+class OutsideCallProbe:
+    """Forward pre-hooks on the attention modules geoscale scales, that notice a call of
+    one outside the model's compiled call: a method other than ``forward`` that reaches
+    it (CLIP's ``get_text_features``), a submodule called directly. That attention runs
+    without FP8: such calls are counted (``report``) and said once, naming the module.
 
-    ``compile_fn(backend=..., isolate_recompiles=True)`` returns the compiled callable:
-    ``torch.compile`` of the model for ``wrap``, ``model.compile`` for ``apply_``.
+    Under Dynamo the hook is a constant no-op (``torch.compiler.is_compiling()``), so the
+    compiled graphs are unchanged; inside the compiled call (``GeoscaleCall.depth``) an
+    eager run is the eager fallback, counted as such.
     """
+
+    def __init__(self, call: "GeoscaleCall"):
+        self._call = weakref.ref(call)
+        self._paths = WeakIdKeyDictionary()      # module -> its path in the model
+        self._handles: list = []
+        self.calls = 0
+
+    def install(self, model: nn.Module, paths: list[str]) -> None:
+        for path in dict.fromkeys(paths):
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:        # a site named by its graph node, not a module
+                continue
+            if module is not model and module not in self._paths:
+                self._paths[module] = path
+                self._handles.append(module.register_forward_pre_hook(self))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        call = self._call()
+        if call is None or call.depth:
+            return None
+        self.calls += 1
+        if self.calls == 1:
+            log.warning(
+                "geoscale: %s.%s ran outside %s's compiled call (a method other than forward, "
+                "or the submodule called directly): its attention ran WITHOUT FP8 scaling; "
+                "call the converted model itself (or convert the module that is called). "
+                "geoscale_fx.report() counts these calls.", call.model_name,
+                self._paths.get(module, type(module).__name__), call.model_name)
+        return None
+
+
+def route_forward(model: nn.Module, call: GeoscaleCall) -> None:
+    """``model.forward(...)`` called directly (sentence-transformers, loops calling
+    ``.forward``) runs through ``call`` as ``model(...)`` does.
+
+    An instance ``forward`` (a bound method, so that wrappers that rebind
+    ``model.forward.__func__`` — accelerate's autocast — keep working) calls the model when
+    it is called from outside, and the forward it replaced (the class's, or an instance
+    one already there) from inside the compiled call or once the model is restored; it
+    keeps that forward's signature (``Trainer`` reads it to select dataset columns).
+    ``unroute_forward`` undoes it."""
+    previous = model.__dict__.get("forward")
+    inner = previous if previous is not None else types.MethodType(type(model).forward, model)
+
+    def forward(self, *args, **kwargs):
+        if call.depth or self._compiled_call_impl is not call:
+            return inner(*args, **kwargs)
+        return self(*args, **kwargs)
+
+    functools.update_wrapper(forward, getattr(inner, "__func__", inner))
+    signature = inspect.signature(inner)           # without ``self``, as called
+    forward.__signature__ = signature.replace(parameters=[
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+        *signature.parameters.values()])
+    model.forward = types.MethodType(forward, model)
+    model._geoscale_forward = (model.forward, previous)
+
+
+def unroute_forward(model: nn.Module) -> None:
+    """Undo ``route_forward``: the forward it replaced is the model's again (unless the
+    model's ``forward`` was replaced since, which is left as it is)."""
+    routed, previous = model.__dict__.pop("_geoscale_forward", (None, None))
+    if routed is None or model.__dict__.get("forward") is not routed:
+        return
+    if previous is None:
+        del model.__dict__["forward"]
+    else:
+        model.forward = previous
+
+
+def module_hooks(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{module path: qualified names of its forward and forward-pre hooks}``."""
+    out = {}
+    for path, module in model.named_modules():
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        if hooks:
+            out[path] = tuple(getattr(h, "__qualname__", type(h).__name__) for h in hooks)
+    return out
+
+
+def compile_with_geoscale(model: nn.Module, options: GeoscaleOptions) -> GeoscaleCall:
+    """Attach the state, build the model's own backend and compile the model's call with
+    it (``compile_module``; a fresh compile each time ``CompiledRegion`` renews it)."""
     state = attach_state(model)
     disable_hf_auto_compile(model)
-    backend = GeoscaleBackend(options, state=state, owned=True, qualify=ParameterNames(model))
-    compiled = compile_fn(backend=backend, isolate_recompiles=True)
-    return GeoscaleCall(compiled, backend, type(model).__name__)
+    backend = GeoscaleBackend(options, state=state, owned=True, model=model)
+    return GeoscaleCall(lambda limit: compile_module(model, backend=backend,
+                                                     isolate_recompiles=True,
+                                                     recompile_limit=limit),
+                        backend, type(model).__name__, model)
 
 
 def compile_module(model: nn.Module, **kwargs):
@@ -146,6 +351,10 @@ def compile_module(model: nn.Module, **kwargs):
     def call(*args, **kw):
         return model._call_impl(*args, **kw)
 
+    # a code object of its own: Dynamo's frame state, counters and cache entries are per
+    # code object, so no two compiles of this function (models, renewals) share them
+    call = types.FunctionType(call.__code__.replace(), call.__globals__, call.__name__,
+                              call.__defaults__, call.__closure__)
     return torch.compile(call, **kwargs)
 
 

@@ -35,8 +35,8 @@ import torch._dynamo
 from torch import nn
 
 from geoscale_fx.attach import (
-    GeoscaleCall, compile_module, compile_with_geoscale, detach_state, enable_hf_auto_compile,
-    geoscale_call,
+    GeoscaleCall, compile_with_geoscale, detach_state, enable_hf_auto_compile, geoscale_call,
+    route_forward, unroute_forward,
 )
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager
@@ -65,8 +65,9 @@ def apply_(model: nn.Module, **options) -> nn.Module:
     if existing is not None:
         return _again(model, existing, opts)
     _check_convertible(model, name)
-    call = compile_with_geoscale(model, opts, lambda **kw: compile_module(model, **kw))
+    call = compile_with_geoscale(model, opts)
     model._compiled_call_impl = call
+    route_forward(model, call)      # model.forward(...) called directly goes through it too
     own = set(model.__dict__)
     if callable(getattr(model, "save_pretrained", None)):   # Hugging Face / PEFT models
         install_save_pretrained(model)
@@ -92,12 +93,15 @@ def restore_(model: nn.Module) -> nn.Module:
     restored the same way. ``ValueError`` if ``model`` was not converted by geoscale."""
     name = type(model).__name__
     if isinstance(model, GeoscaleModule):      # the wrapper is spent afterwards
+        model._geoscale_call.probe.remove()
         model = model.model
         if not model.__dict__.pop("_geoscale_wrapped", False):
             raise ValueError(f"geoscale_fx.restore_: this wrapper's {type(model).__name__} "
                              "was restored already")
     elif isinstance(getattr(model, "_compiled_call_impl", None), GeoscaleCall):
-        del model.__dict__["_compiled_call_impl"]      # back to nn.Module's None
+        call = model.__dict__.pop("_compiled_call_impl")     # back to nn.Module's None
+        call.probe.remove()
+        unroute_forward(model)
     elif model.__dict__.get("_geoscale_wrapped"):
         raise ValueError(f"geoscale_fx.restore_: {name} is wrapped by geoscale_fx.wrap; "
                          "restore the wrapper (restore_(wrapped)), which gives this model back")

@@ -20,7 +20,7 @@ that kept a logit lowering says why in "note". With an FP8 KV cache (``kv_cache=
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tabulate import tabulate
@@ -38,13 +38,17 @@ __all__ = ["Report", "report", "site_records"]
 
 def _note(plan) -> str | None:
     """What a row's numbers do not say: a bound from the measured q and k, an fp8_qkv
-    fallback."""
+    fallback, position terms added to the logits after their FP8 round trip."""
     notes = []
     if plan.site.bound_by == "measured":
         notes.append("bound from q, k measured every call (the weights cannot bound it: "
                      f"{plan.site.unbounded_reason})")
     if plan.qkv_fallback:
         notes.append(f"fp8_qkv not applied: {plan.qkv_fallback}")
+    biases = [m.node for m in plan.site.modifiers if m.kind == "position_bias"]
+    if biases:
+        notes.append(f"learned position term(s) {', '.join(f'`{b}`' for b in biases)} "
+                     "added after the FP8 logits, in high precision")
     return "; ".join(notes) or None
 
 _COLUMNS = ("site", "head", "tp", "lowering", "scaling", "sigma", "norm_product", "bound", "alpha",
@@ -60,6 +64,9 @@ class Report:
     rows: list[dict]
     skipped: list[dict]
     eager_calls: int = 0         # wrap/apply_ calls that Dynamo ran without our graphs
+    #: wrap/apply_: graphs the backend compiled, the calls that compiled them and those
+    #: calls' seconds, and how often the compiled call's region was renewed (``attach``)
+    compiles: dict = field(default_factory=dict)
 
     def table(self, floatfmt: str = ".4g") -> str:
         columns = [c for c in _COLUMNS if c not in _OPTIONAL or any(r.get(c) is not None
@@ -72,6 +79,11 @@ class Report:
         if self.eager_calls:
             body += (f"\n\n{self.eager_calls} call(s) ran eagerly, without FP8 scaling "
                      "(Dynamo fell back; see the warning logged at the time)")
+        if self.compiles:
+            c = self.compiles
+            body += (f"\n\n{c['graphs']} graph(s) compiled in {c['compiling_calls']} "
+                     f"compiling call(s), {c['compile_seconds']:.1f} s; the compiled call's "
+                     f"region renewed {c['renewals']} time(s) (at {c['limit']} entries)")
         return body
 
     def __str__(self) -> str:
@@ -195,4 +207,9 @@ def report(model: Any, per_head: bool = False) -> Report:
             row.update(per_site.get(row["site"], {}))
     left = [{"site": r.name, "reason": r.note or r.site.reason} for r in skipped]
     call = geoscale_call(model)
-    return Report(rows, left, call.eager_calls if call is not None else 0)
+    if call is None:
+        return Report(rows, left)
+    compiles = dict(graphs=call.backend.compiles, compiling_calls=call.compiling_calls,
+                    compile_seconds=call.compile_seconds, renewals=call.region.renewals,
+                    limit=call.region.limit)
+    return Report(rows, left, call.eager_calls, compiles)

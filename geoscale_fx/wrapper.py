@@ -18,7 +18,7 @@ import logging
 from torch import nn
 
 from geoscale_fx.attach import (
-    STATE_ATTR, GeoscaleCall, compile_module, compile_with_geoscale, geoscale_call,
+    STATE_ATTR, GeoscaleCall, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager
@@ -66,8 +66,7 @@ class GeoscaleModule(nn.Module):
         kv = KVCacheManager(model, options.kv_cache) if options.kv_cache is not None else None
         self.model = model
         model._geoscale_wrapped = True     # apply_ on it would compile it a second time
-        self._geoscale_call: GeoscaleCall = compile_with_geoscale(
-            model, options, lambda **kw: compile_module(model, **kw))
+        self._geoscale_call: GeoscaleCall = compile_with_geoscale(model, options)
         self.geoscale = self._geoscale_call.backend
         if kv is not None:
             model._geoscale_kv_cache = kv

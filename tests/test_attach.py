@@ -65,7 +65,7 @@ def test_geoscale_call_counts_eager_calls_and_warns_once(caplog):
     def compiled(x):            # a call in which none of the backend's graphs ran
         return x + 1
 
-    call = GeoscaleCall(compiled, backend, "Toy")
+    call = GeoscaleCall(lambda limit: compiled, backend, "Toy")
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
         assert call(1) == 2 and call(2) == 3
     assert call.eager_calls == 2 and call.options == "opts"
@@ -82,14 +82,15 @@ def test_first_compiled_call_without_sites_is_warned_about_once(caplog):
             backend.graph_calls += 1
             return x
 
-        call = GeoscaleCall(compiled, backend, "Toy")
+        call = GeoscaleCall(lambda limit: compiled, backend, "Toy")
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
             call(0), call(0)
         assert call.eager_calls == 0
         assert [expected in r.getMessage() for r in caplog.records] == [True]
     quiet = _backend(records={"attn": object()})
-    call = GeoscaleCall(lambda x: setattr(quiet, "graph_calls", quiet.graph_calls + 1), quiet, "Ok")
+    call = GeoscaleCall(lambda limit: lambda x: setattr(quiet, "graph_calls", quiet.graph_calls + 1),
+                        quiet, "Ok")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
         call(0)
@@ -109,6 +110,6 @@ def test_hf_auto_compile_is_switched_off_and_back_and_geoscale_call_finds_the_ca
     enable_hf_auto_compile(user_set)
     assert user_set.generation_config.disable_compile is True
     assert geoscale_call(model) is None and geoscale_call(object()) is None
-    call = GeoscaleCall(lambda x: x, _backend(), "Linear")
+    call = GeoscaleCall(lambda limit: lambda x: x, _backend(), "Linear")
     model._compiled_call_impl = call
     assert geoscale_call(model) is call

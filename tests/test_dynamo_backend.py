@@ -66,31 +66,52 @@ def test_explicit_site_with_merged_batch_and_heads_takes_any_batch_size():
     assert wrapped.eager_calls == 0
 
 
-def test_eager_fallback_is_warned_about_and_reported(caplog):
-    """When Dynamo stops running the compiled graphs (its recompile limit), the model runs
-    without FP8: the wrapper says so, naming the model, and ``report`` counts the calls."""
-    class Flagged(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm, self.qkv = torch.nn.LayerNorm(16), torch.nn.Linear(16, 48)
+class _Flagged(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qkv = torch.nn.LayerNorm(16), torch.nn.Linear(16, 48)
 
-        def forward(self, x, flag: str):
-            q, k, v = self.qkv(self.norm(x)).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
-            out = F.scaled_dot_product_attention(q, k, v)
-            return out if flag == "a" else out * 2   # a guard on the string: a recompile
+    def forward(self, x, flag: str):
+        q, k, v = self.qkv(self.norm(x)).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return out if flag == "a" else out * 2   # a guard on the string: a recompile
 
-    model = Flagged()
-    wrapped = geoscale_fx.wrap(model, compiler="aot_eager")
+
+def test_a_full_compiled_region_is_renewed_never_run_eagerly(caplog, monkeypatch):
+    """Guards that keep changing (a new string per call) fill the call's region: past
+    geoscale's limit it is dropped and compiled afresh, so no call runs without FP8 and
+    the region never holds more than the limit; the renewal is said once."""
+    monkeypatch.setattr(geoscale_fx.attach, "RECOMPILE_LIMIT", 3)
+    wrapped = geoscale_fx.wrap(_Flagged(), compiler="aot_eager")
+    region = wrapped._geoscale_call.region
     x = torch.randn(2, 5, 16)
-    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad(), \
-            caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+        for i in range(8):
+            wrapped(x, f"flag{i}")
+            assert region.entries() <= 3
+    assert wrapped.eager_calls == 0 and region.renewals == 2
+    call = wrapped._geoscale_call
+    assert call.compiling_calls == 8 and call.compile_seconds > 0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "_Flagged's compiled call reached 3 entries" in warnings[0]
+    assert "8 compiling call(s)" in str(geoscale_fx.report(wrapped))
+
+
+def test_eager_fallback_is_warned_about_and_reported(caplog):
+    """When Dynamo runs the model without the compiled graphs (here: a stance forcing eager
+    execution), the model runs without FP8: the wrapper says so, naming the model, and
+    ``report`` counts the calls."""
+    wrapped = geoscale_fx.wrap(_Flagged(), compiler="aot_eager")
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="geoscale_fx"):
         wrapped(x, "a")
         assert wrapped.eager_calls == 0
-        wrapped(x, "b")
-        wrapped(x, "c")
+        with torch.compiler.set_stance("force_eager"):
+            wrapped(x, "a")
+            wrapped(x, "b")
     assert wrapped.eager_calls == 2
     warnings = [r.getMessage() for r in caplog.records if "WITHOUT FP8" in r.getMessage()]
-    assert len(warnings) == 1 and "Flagged" in warnings[0]
+    assert len(warnings) == 1 and "_Flagged" in warnings[0]
     report = geoscale_fx.report(wrapped)
     assert report.eager_calls == 2 and "2 call(s) ran eagerly" in str(report)
 
@@ -157,32 +178,17 @@ class _TinyAttention(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v)
 
 
-def _convert_three(isolate: bool) -> list:
-    """Three instances of one class converted in place (``isolate_recompiles`` as given),
-    each called once under recompile_limit=1; their report's steps."""
-    from geoscale_fx.attach import compile_with_geoscale
-    from geoscale_fx.config import GeoscaleOptions
-    from geoscale_fx.attach import compile_module
-
-    def convert(model):
-        model._compiled_call_impl = compile_with_geoscale(
-            model, GeoscaleOptions(compiler="aot_eager"),
-            lambda **kw: compile_module(model, **{**kw, "isolate_recompiles": isolate}))
-        return model
-
-    models = [convert(_TinyAttention()) for _ in range(3)]
+def test_apply_gives_each_model_its_own_dynamo_cache():
+    """Many converted instances of one class: each compiles its own code object into its
+    own cache region, with geoscale's own recompile limit. Under a global limit of 1, a
+    shared cache would make every instance after the first a recompile of the same code,
+    run eagerly, without FP8."""
+    models = [geoscale_fx.apply_(_TinyAttention(), compiler="aot_eager") for _ in range(3)]
     with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
         for model in models:
             model(torch.randn(2, 5, 16))
-    return [[r["steps"] for r in geoscale_fx.report(m).rows] for m in models]
-
-
-def test_apply_gives_each_model_its_own_dynamo_cache():
-    """Many converted instances of one class: each compiles into its own cache. Through one
-    shared cache (the counter-check) every instance after the first is a recompile of the
-    same code, and past the recompile limit runs eagerly, without FP8."""
-    assert _convert_three(isolate=True) == [[1], [1], [1]]
-    torch._dynamo.reset()
-    assert _convert_three(isolate=False) == [[1], [], []]
-    models = [geoscale_fx.apply_(_TinyAttention(), compiler="aot_eager") for _ in range(2)]
-    assert all(m._compiled_call_impl.compiled._isolate_recompiles_id >= 0 for m in models)
+    assert [[r["steps"] for r in geoscale_fx.report(m).rows] for m in models] == [[1]] * 3
+    compiled = [m._compiled_call_impl.compiled for m in models]
+    assert all(c._isolate_recompiles_id >= 0 for c in compiled)
+    codes = {id(c._torchdynamo_orig_callable.__code__) for c in compiled}
+    assert len(codes) == 3
