@@ -5,7 +5,7 @@ from pathlib import Path
 
 from bench.quality import Spread
 
-__all__ = ["spike_plot", "norms_plot", "sweep_plot", "decode_plot"]
+__all__ = ["spike_plot", "norms_plot", "sweep_plot", "decode_plot", "rl_plot"]
 
 
 def _pyplot():
@@ -141,6 +141,35 @@ def kv_cache_plot(rows: list[dict], path: Path) -> str:
     ax2.axhline(1.0, color="red", ls="--", lw=1, label="R_max (saturation)")
     ax2.set_ylabel("max |x / scale| / R_max")
     ax2.set_title("(b) FP8 range used by the cached entries")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path).name
+
+
+def rl_plot(per_step: list[dict], sources, path: Path) -> str:
+    """(a) rollout–trainer mismatch (mean |Δ log p| per token) and (b) saturated cache
+    entries per RL step, one line per source of k/v scales; the projections' drift."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [s["step"] for s in per_step]
+    for source in sources:
+        ax1.plot(steps, [s[source]["dlogp"] for s in per_step], marker="o", ms=3,
+                 label=source)
+        ax2.plot(steps, [s[source]["saturated"] for s in per_step], marker="o", ms=3,
+                 label=source)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("mean |log p(rollout) - log p(trainer)| per token")
+    ax1.set_title("(a) rollout-trainer mismatch")
+    ax2.set_ylabel("saturated cache entries")
+    ax2.set_title("(b) KV-cache saturation")
+    drift = ax2.twinx()
+    drift.plot(steps, [s["k/v projection change"] for s in per_step], color="gray", ls=":",
+               label="k/v projection change")
+    drift.set_ylabel("max ||W - W0|| / ||W0||  (dotted)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("GRPO step")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -214,10 +214,10 @@ def test_runner_reports_a_failing_scenario_and_keeps_going(ctx, capsys):
 
 
 def test_scenarios_are_registered():
-    assert len(SCENARIOS) == 13
-    assert len({s.key for s in SCENARIOS}) == 13
-    assert [s.key for s in SCENARIOS if not s.default] == ["distributed"]   # --only
-    assert [s.title.split(".")[0] for s in SCENARIOS] == [str(i) for i in range(1, 14)]
+    assert len(SCENARIOS) == 14
+    assert len({s.key for s in SCENARIOS}) == 14
+    assert [s.key for s in SCENARIOS if not s.default] == ["distributed", "rl"]   # --only
+    assert [s.title.split(".")[0] for s in SCENARIOS] == [str(i) for i in range(1, 15)]
 
 
 def test_distributed_scenario_times_two_ranks_against_one_process(tmp_path):

@@ -5,6 +5,7 @@ from bench.scenarios.decoding import inference
 from bench.scenarios.distributed import scale_out
 from bench.scenarios.kv_cache import fp8_kv_cache
 from bench.scenarios.performance import overhead, seq_len_sweep
+from bench.scenarios.rl import rl_rollouts
 from bench.scenarios.tables import alpha_table, spectral_norms
 from bench.scenarios.transients import first_forward, lr_spike, resume, weight_spike
 
@@ -25,6 +26,8 @@ SCENARIOS = [
              "ideal", fp8_kv_cache),
     Scenario("distributed", "13. Scale-out: 2 CPU processes, TP and FSDP2", scale_out,
              default=False),
+    Scenario("rl", "14. RL rollouts with an FP8 KV cache: rollout-trainer mismatch per "
+             "source of k/v scales", rl_rollouts, default=False),
 ]
 
 __all__ = ["SCENARIOS"]
