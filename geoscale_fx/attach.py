@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _get_cache_entries_for_region
+from torch._dynamo.eval_frame import _get_cache_entries_for_region, reset_code
+from torch._dynamo.resume_execution import ContinueExecutionCache
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.config import GeoscaleOptions
@@ -38,7 +39,8 @@ from geoscale_fx.dynamo_backend import GeoscaleBackend
 from geoscale_fx.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "CompiledRegion", "RECOMPILE_LIMIT", "attach_state", "detach_state",
-           "compile_with_geoscale", "compile_module", "route_forward", "unroute_forward", "disable_hf_auto_compile",
+           "compile_with_geoscale", "compile_module", "route_forward", "unroute_forward",
+           "release_codes", "disable_hf_auto_compile",
            "enable_hf_auto_compile", "geoscale_call"]
 
 log = logging.getLogger("geoscale_fx")
@@ -105,8 +107,18 @@ class CompiledRegion:
     def __init__(self, compile_fn: Callable[[int], Callable]):
         self._compile_fn = compile_fn
         self.limit = RECOMPILE_LIMIT
-        self.compiled = compile_fn(self.limit)
+        #: the code objects compiled so far (Dynamo keeps a compiled code object, and the
+        #: entries in its cache, for the process's life: ``release_codes`` frees them)
+        self.codes: list[types.CodeType] = []
+        self.compiled = self._compile()
         self.renewals = 0
+
+    def _compile(self) -> Callable:
+        compiled = self._compile_fn(self.limit)
+        original = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if original is not None:
+            self.codes.append(original.__code__)
+        return compiled
 
     def entries(self) -> int:
         """Compiled entries of the call's frame in the current region."""
@@ -116,7 +128,8 @@ class CompiledRegion:
     def renew_if_full(self, model_name: str) -> bool:
         if self.entries() < self.limit:
             return False
-        self.compiled = self._compile_fn(self.limit)
+        release_codes(self.codes)
+        self.compiled = self._compile()
         self.renewals += 1
         (log.warning if self.renewals == 1 else log.info)(
             "geoscale: %s's compiled call reached %d entries (states that Dynamo's guards "
@@ -140,6 +153,8 @@ class GeoscaleCall:
         self._hooks_warned = False
         self.depth = 0            # > 0 while the compiled call runs (``route_forward``)
         self.probe = OutsideCallProbe(self)
+        if model is not None:     # the model deleted: its compiled entries go with it
+            self._finalizer = weakref.finalize(model, release_codes, self.region.codes)
         self.calls = 0            # calls of the model through this call
         self.eager_calls = 0      # calls in which none of our compiled graphs ran
         self.compiling_calls = 0  # calls in which Dynamo compiled (or recompiled) a graph
@@ -175,6 +190,12 @@ class GeoscaleCall:
             self._checked_sites = True
             self._check_sites()
         return out
+
+    def release(self) -> None:
+        """The model goes back to plain (``restore_``): the probes come off and Dynamo's
+        compiled entries are freed."""
+        self.probe.remove()
+        release_codes(self.region.codes)
 
     def _check_hooks(self) -> None:
         """At a compile: modules that gained hooks since the previous compile, said once.
@@ -318,6 +339,18 @@ def unroute_forward(model: nn.Module) -> None:
         model.forward = previous
 
 
+def release_codes(codes: list[types.CodeType]) -> None:
+    """Drop Dynamo's compiled entries of ``codes`` and of the functions it made to resume
+    them after graph breaks (their graphs, the runtimes and whatever these hold: Dynamo
+    removes the globals it installed for them), and forget the codes."""
+    pending = list(codes)
+    while pending:
+        code = pending.pop()
+        reset_code(code)
+        pending += ContinueExecutionCache.cache.get(code, {}).values()
+    codes.clear()
+
+
 def module_hooks(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{module path: qualified names of its forward and forward-pre hooks}``."""
     out = {}
@@ -334,7 +367,7 @@ def compile_with_geoscale(model: nn.Module, options: GeoscaleOptions) -> Geoscal
     state = attach_state(model)
     disable_hf_auto_compile(model)
     backend = GeoscaleBackend(options, state=state, owned=True, model=model)
-    return GeoscaleCall(lambda limit: compile_module(model, backend=backend,
+    return GeoscaleCall(lambda limit: compile_module(model, backend=backend.for_dynamo(),
                                                      isolate_recompiles=True,
                                                      recompile_limit=limit),
                         backend, type(model).__name__, model)

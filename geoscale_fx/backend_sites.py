@@ -36,6 +36,9 @@ class SiteRecord:
 
     def __post_init__(self):
         self.name = self.name or self.site.name
+        #: whether it read parameters at all: a record whose parameters were all freed
+        #: belongs to a deleted model (``GeoscaleBackend.forget_freed``)
+        self.had_owners = bool(len(self.owners))
 
     def belongs_to(self, params: Sequence[torch.Tensor]) -> bool:
         return any(p in self.owners for p in params)

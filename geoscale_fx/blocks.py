@@ -45,7 +45,8 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module], *, fullgraph: 
     # a graph compiled for one block serves all alike: alpha="theory" counts N over all of
     # them (an upper bound when blocks differ, which only makes α_min larger, i.e. safer)
     backend.graph_multiplicity = len(blocks)
+    compile_graph = backend.for_dynamo()    # one for all blocks: Dynamo reuses the graph
     for block in blocks:
-        block.compile(backend=backend, fullgraph=fullgraph)
+        block.compile(backend=compile_graph, fullgraph=fullgraph)
     model._geoscale_backend = backend         # geoscale_fx.report(model)
     return backend

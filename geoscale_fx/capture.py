@@ -42,20 +42,27 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
     are static by default, so a capture does not depend on earlier captures' shapes.
     """
     captured: list[CapturedGraph] = []
-    root = model if isinstance(model, torch.nn.Module) else None
+    # what the recorder reads, emptied once the capture ran: Dynamo keeps every backend it
+    # was given for the process's life, and must not keep the model or its graphs with it
+    box = {"root": model if isinstance(model, torch.nn.Module) else None,
+           "captured": captured}
 
     def recorder(gm: GraphModule, example_inputs):
         # sites are named in ``model`` (a function: in the module its frame reached)
+        root = box["root"]
         attach_model(gm, root if root is not None else frame_root(gm))
         graph_names(gm, example_inputs).annotate(gm)     # ``parameter_name`` of its inputs
-        captured.append(CapturedGraph(gm, list(example_inputs)))
+        box["captured"].append(CapturedGraph(gm, list(example_inputs)))
         return gm.forward
 
     # isolate_recompiles: this capture keeps its own cache entries, so repeated captures never
     # count against (or hit) the recompile limit of other torch.compile calls.
     compiled = torch.compile(model, backend=recorder, dynamic=dynamic,
                              isolate_recompiles=True)
-    compiled(*args, **kwargs)
+    try:
+        compiled(*args, **kwargs)
+    finally:
+        box.clear()
     return captured
 
 

@@ -93,14 +93,14 @@ def restore_(model: nn.Module) -> nn.Module:
     restored the same way. ``ValueError`` if ``model`` was not converted by geoscale."""
     name = type(model).__name__
     if isinstance(model, GeoscaleModule):      # the wrapper is spent afterwards
-        model._geoscale_call.probe.remove()
+        model._geoscale_call.release()
         model = model.model
         if not model.__dict__.pop("_geoscale_wrapped", False):
             raise ValueError(f"geoscale_fx.restore_: this wrapper's {type(model).__name__} "
                              "was restored already")
     elif isinstance(getattr(model, "_compiled_call_impl", None), GeoscaleCall):
         call = model.__dict__.pop("_compiled_call_impl")     # back to nn.Module's None
-        call.probe.remove()
+        call.release()
         unroute_forward(model)
     elif model.__dict__.get("_geoscale_wrapped"):
         raise ValueError(f"geoscale_fx.restore_: {name} is wrapped by geoscale_fx.wrap; "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._dynamo.backends.debugging import aot_eager
@@ -50,6 +50,11 @@ class GeoscaleBackend:
     def __init__(self, options: GeoscaleOptions | None = None, state: GeoscaleState | None = None,
                  owned: bool = False, model: torch.nn.Module | None = None):
         self.options = options or GeoscaleOptions()
+        if self.options.scaling == "geometry" and self.options.estimator == "power":
+            log.warning("geoscale: estimator='power' is the paper's warm power iteration, a "
+                        "lower bound of σ once the weights change: scales after the first "
+                        "step are not certified (report() says so per site); the default "
+                        "estimator='exact' is")
         self.state = state if state is not None else GeoscaleState()
         self.owned = owned
         #: the model this backend compiles (``wrap``, ``apply_``, ``compile_blocks``; held
@@ -66,8 +71,42 @@ class GeoscaleBackend:
         self.compiles = 0
         self.runs = 0          # calls of compiled graphs with rewritten sites (host counter)
         self.graph_calls = 0   # calls of any graph this backend compiled (rewritten or not)
-        self.runtimes: list = []   # GraphRuntime of every graph with rewritten sites
+        #: GraphRuntime of every graph with rewritten sites, held weakly (Dynamo's cache
+        #: entries hold them while their model lives)
+        self._runtimes: list[weakref.ref] = []
         BACKENDS.register(self)     # report(model) finds it (backend_registry)
+
+    @property
+    def runtimes(self) -> list:
+        """The GraphRuntime of every live graph with rewritten sites, in compile order."""
+        return [r for r in (ref() for ref in self._runtimes) if r is not None]
+
+    def for_dynamo(self) -> Callable:
+        """What ``torch.compile`` is given: a function calling this backend through a weak
+        reference. Dynamo keeps every backend it was handed for the process's life
+        (``eval_frame.cached_backends``); through this, a converted model's backend — its
+        records, graphs and the parameters they read — is freed with the model."""
+        ref = weakref.ref(self)
+
+        def geoscale(gm: GraphModule, example_inputs: Sequence[Any]):
+            backend = ref()
+            if backend is None:
+                raise RuntimeError("geoscale: a graph was compiled for a model whose "
+                                   "backend was freed")
+            return backend(gm, example_inputs)
+
+        return geoscale
+
+    def forget_freed(self) -> None:
+        """Drop the records (and, for a backend without a model of its own, the state) of
+        sites whose parameters were all freed: a shared backend
+        (``torch.compile(..., backend="geoscale")``) compiles many models in a process."""
+        dead = [k for k, r in self.records.items() if r.had_owners and not len(r.owners)]
+        for key in dead:
+            del self.records[key]
+            if not self.owned and key in self.state.sites:
+                del self.state.sites[key]
+        self.skipped = [r for r in self.skipped if not (r.had_owners and not len(r.owners))]
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -76,11 +115,13 @@ class GeoscaleBackend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self.compiles += 1
         counters["geoscale"]["graphs"] += 1
+        self.forget_freed()
         model = self.model if self.model is not None else frame_root(gm)
         gm = inline_activation_checkpoints(gm)   # attention inside checkpointed regions
         attach_model(gm, model)      # sites are named in it (``passes.module_names``)
         sites = [runnable(s) for s in
-                 analyze_graph(gm, example_inputs, rope_bound=self.options.rope_bound)]
+                 analyze_graph(gm, example_inputs, rope_bound=self.options.rope_bound,
+                               weak_inputs=True)]
         counters["geoscale"]["sites_found"] += len(sites)
         if not sites:
             log.info("geoscale: no attention in this graph (%d nodes); compiled unchanged",
@@ -106,7 +147,7 @@ class GeoscaleBackend:
                                self.options.calib_steps, self._count_run,
                                bind=lambda args: self._bind(gm, args, plans, sites))
         runtime.warm_up()
-        self.runtimes.append(runtime)
+        self._runtimes.append(weakref.ref(runtime))
         return runtime
 
     def _count_run(self) -> None:

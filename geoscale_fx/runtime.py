@@ -53,6 +53,7 @@ class _Lazy:
     def get(self):
         if self._value is None:
             self._value = self._build()
+            self._build = None       # it holds the example inputs (the model's parameters)
         return self._value
 
 

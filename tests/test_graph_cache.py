@@ -217,7 +217,10 @@ def test_a_second_compile_reads_the_trace_and_computes_the_same(cheap_inductor):
 
 
 def test_real_plans_have_a_description(cheap_inductor):
-    _forward()
+    torch._dynamo.reset()
+    wrapped = geoscale_fx.wrap(_model(), compiler="inductor")   # alive: its backend too
+    with torch.no_grad():
+        wrapped(torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(0)))
     records = [r for b in BACKENDS.live() for r in b.records.values()]
     assert records
     for record in records:

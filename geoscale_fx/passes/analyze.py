@@ -58,15 +58,17 @@ MEASURABLE = ("sdpa", "explicit")
 
 
 def analyze_graph(gm: GraphModule, example_inputs: Sequence[Any], *, graph_index: int = 0,
-                  first_index: int = 0, rope_bound: str = "norm_product"
-                  ) -> list[AttentionSite]:
-    """Find and analyse every attention in ``gm`` (a Dynamo graph: params are placeholders)."""
+                  first_index: int = 0, rope_bound: str = "norm_product",
+                  weak_inputs: bool = False) -> list[AttentionSite]:
+    """Find and analyse every attention in ``gm`` (a Dynamo graph: params are placeholders).
+    ``weak_inputs``: the sites read the parameters through weak references (the backend's
+    records must not keep a deleted model's parameters alive)."""
     if rope_bound not in ROPE_BOUNDS:
         raise ValueError(f"rope_bound must be one of {ROPE_BOUNDS}, got {rope_bound!r}")
     names = graph_names(gm, example_inputs)
     names.annotate(gm)
     kinds = ValueKinds(gm.graph, example_inputs)
-    evaluator = ParamEvaluator(gm, example_inputs, kinds)
+    evaluator = ParamEvaluator(gm, example_inputs, kinds, weak=weak_inputs)
     order = NodeOrder(gm.graph)
     by_name = order.by_name
 

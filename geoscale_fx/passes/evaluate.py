@@ -6,6 +6,7 @@ read: a node that depends on one evaluates to None.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -17,13 +18,18 @@ __all__ = ["ParamEvaluator"]
 
 
 class ParamEvaluator:
-    """``evaluate(node)``: the value of a parameter/constant-only node, or None."""
+    """``evaluate(node)``: the value of a parameter/constant-only node, or None.
 
-    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], kinds: ValueKinds):
+    ``weak=True`` holds the inputs' tensors weakly (what a backend keeps about a model must
+    not keep its parameters alive): a node read after its tensor was freed raises
+    ``ReferenceError`` naming it."""
+
+    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], kinds: ValueKinds,
+                 weak: bool = False):
         self._gm = gm
         self._kinds = kinds
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self._inputs = {n: (example_inputs[i] if i < len(example_inputs) else None)
+        self._inputs = {n: _held(example_inputs[i], weak) if i < len(example_inputs) else None
                         for i, n in enumerate(placeholders)}
 
     @property
@@ -45,6 +51,11 @@ class ParamEvaluator:
             return cache[node]
         if node.op == "placeholder":
             value = self._inputs.get(node)
+            if isinstance(value, weakref.ref):
+                value = value()
+                if value is None:
+                    raise ReferenceError(f"the tensor behind graph input {node.name!r} was "
+                                         "freed (its model was deleted)")
             value = value.detach() if isinstance(value, torch.Tensor) else value
         elif node.op == "get_attr":
             value = self._gm
@@ -63,3 +74,7 @@ class ParamEvaluator:
                 raise ValueError(f"cannot evaluate node {node.name} ({node.op})")
         cache[node] = value
         return value
+
+
+def _held(value: Any, weak: bool) -> Any:
+    return weakref.ref(value) if weak and isinstance(value, torch.Tensor) else value

@@ -42,7 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["ModelNames", "GraphNames", "attach_model", "graph_names", "graph_tensor_names",
            "model_names",
-           "frame_root", "NAME_META"]
+           "frame_root", "NAME_META", "MODULE_META"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -50,6 +50,8 @@ log = logging.getLogger("geoscale_fx")
 _MODEL_META = "geoscale_model"
 #: ``node.meta`` key of a placeholder: its name in the model (``parameter_name`` reads it)
 NAME_META = "geoscale_name"
+#: ``node.meta`` key of a call: the path of the module that made it, when it was annotated
+MODULE_META = "geoscale_module"
 
 
 class ModelNames:
@@ -194,7 +196,10 @@ class GraphNames:
 
     def module(self, node: Node) -> str | None:
         """Path in the model of the module whose forward made ``node`` (the innermost entry
-        of its module stack), or None where nothing ties the stack to the model."""
+        of its module stack), or None where nothing ties the stack to the model (without a
+        model: the path ``annotate`` wrote while it was alive)."""
+        if self._names is None:
+            return node.meta.get(MODULE_META)
         stack = list((node.meta.get("nn_module_stack") or {}).items())
         for depth in range(len(stack) - 1, -1, -1):
             path = self._calls.get(stack[depth][0])
@@ -203,14 +208,18 @@ class GraphNames:
         return None
 
     def annotate(self, gm: GraphModule) -> None:
-        """Write each parameter placeholder's name into its ``meta`` (``parameter_name``)."""
+        """Write into each node's ``meta`` its name in the model: a parameter placeholder's
+        (``parameter_name``), a module call's path (``MODULE_META``, read where the model is
+        no longer alive: a graph captured from a temporary model)."""
+        if self._names is None:
+            return
         for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                name = self.parameter(node)
-                if name is None:
-                    node.meta.pop(NAME_META, None)
-                else:
-                    node.meta[NAME_META] = name
+            name = self.parameter(node) if node.op == "placeholder" else self.module(node)
+            key = NAME_META if node.op == "placeholder" else MODULE_META
+            if name is None:
+                node.meta.pop(key, None)
+            else:
+                node.meta[key] = name
 
     # ---- module calls -----------------------------------------------------------------
     def _tie(self, stack: list, owner: str) -> None:

@@ -19,8 +19,9 @@ from torch import nn
 
 import geoscale_fx
 from geoscale_fx.capture import capture_graphs
+from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import op_of, parameter_name
-from geoscale_fx.passes.module_names import ModelNames, graph_names
+from geoscale_fx.passes.module_names import MODULE_META, ModelNames, graph_names
 
 B, L, D, H = 2, 6, 16, 2
 
@@ -154,6 +155,8 @@ def test_parameter_names_are_the_models_by_identity():
 def test_a_graph_without_a_model_names_sites_by_their_node():
     graph = capture_graphs(Model(), torch.randn(B, L, D))[0]
     graph.gm.meta.clear()          # no model recorded, and not inside a compile
+    for node in graph.gm.graph.nodes:      # nor the paths written while it was alive
+        node.meta.pop(MODULE_META, None)
     sdpa = next(n for n in graph.gm.graph.nodes if "scaled_dot_product" in str(n.target))
     assert graph_names(graph.gm, graph.example_inputs).module(sdpa) is None
 
@@ -168,6 +171,13 @@ def test_model_names_tie_shared_tensors_and_read_again_on_a_miss():
     assert names.tensor(torch.ones(1)) is None and names.tensor("q.weight") is None
     model.extra = nn.Linear(D, D)                   # registered after the first lookup
     assert names.tensor(model.extra.bias) == "extra.bias"
+
+
+def test_a_graph_captured_from_a_model_since_freed_keeps_its_names():
+    """The paths are written into the graph while the model is alive (``annotate``)."""
+    graph = capture_graphs(Model(), torch.randn(B, L, D))[0]       # the model is freed
+    sites = analyze_graph(graph.gm, graph.example_inputs)
+    assert [s.name for s in sites] == EXPECTED
 
 
 def test_model_names_do_not_keep_the_model_alive():

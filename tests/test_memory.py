@@ -1,0 +1,94 @@
+"""A converted model the user deletes is freed, as a compiled one is: through every entry
+point (``apply_``, ``wrap``, the backend given to ``torch.compile``, ``compile_blocks``, an
+FP8 KV cache after ``generate``), no parameter stays alive, nor the graphs compiled for it;
+``restore_`` frees the graphs of the model it gives back. Checked with weak references after
+a full garbage collection; plain ``torch.compile`` is the reference."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import geoscale_fx
+from geoscale_fx.attach import geoscale_call
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128,
+                                      vocab_size=128, bos_token_id=0, eos_token_id=0,
+                                      pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+IDS = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _plain(model):
+    model.compile(backend="aot_eager")
+    return model
+
+
+def _backend(model):
+    return torch.compile(model, backend=geoscale_fx.backend(compiler="aot_eager"))
+
+
+def _blocks(model):
+    geoscale_fx.compile_blocks(model, model.model.layers, compiler="aot_eager")
+    return model
+
+
+ENTRY_POINTS = {
+    "plain torch.compile": _plain,
+    "apply_": lambda m: geoscale_fx.apply_(m, compiler="aot_eager"),
+    "wrap": lambda m: geoscale_fx.wrap(m, compiler="aot_eager"),
+    "torch.compile with the backend": _backend,
+    "compile_blocks": _blocks,
+}
+
+
+def _round(convert, generate: bool = False) -> tuple[weakref.ref, weakref.ref]:
+    model = _llama()
+    parameter = weakref.ref(model.model.layers[0].self_attn.q_proj.weight)
+    converted = convert(model)
+    with torch.no_grad():
+        if generate:
+            converted.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3,
+                               do_sample=False, pad_token_id=0)
+        else:
+            converted(IDS)
+    module = weakref.ref(model)
+    del model, converted
+    return parameter, module
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_deleted_model_is_freed(entry):
+    refs = [_round(ENTRY_POINTS[entry]) for _ in range(2)]
+    gc.collect()
+    assert [(p() is None, m() is None) for p, m in refs] == [(True, True)] * 2
+
+
+def test_a_deleted_model_with_an_fp8_cache_is_freed_after_generate():
+    refs = [_round(lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager"),
+                   generate=True) for _ in range(2)]
+    gc.collect()
+    assert [(p() is None, m() is None) for p, m in refs] == [(True, True)] * 2
+
+
+def test_restore_frees_the_graphs_compiled_for_the_model():
+    model = _llama()
+    for _ in range(2):
+        geoscale_fx.apply_(model, compiler="aot_eager")
+        with torch.no_grad():
+            model(IDS)
+        runtimes = [weakref.ref(r) for r in geoscale_call(model).backend.runtimes]
+        assert runtimes
+        geoscale_fx.restore_(model)
+        gc.collect()
+        assert all(r() is None for r in runtimes)
+    assert geoscale_fx.report(model).rows == []
