@@ -69,8 +69,10 @@ class GeoscaleOptions:
     granularity   "head" (a certified scale per query head; default) or "layer" (the paper's
                   per-layer norm of the concatenated W^Q W^Kᵀ, one scale per layer; with
                   lowering="fp8_qkv" one descale per tensor). Geometry only.
-    estimator     "power" (one warm power iteration per step, exact at cold start; default)
-                  or "exact" (the certified Gram/eigh route every step).
+    estimator     "exact" (the certified Gram/eigh route every step; default: ≈ 0.2% of a
+                  training step's FLOPs at 7B shapes, ``python -m bench.certified_cost``) or
+                  "power" (the paper's: one warm power iteration per step, exact at cold
+                  start; a lower bound of σ once the weights move, so not certified).
     alpha         1.0 (worst case: a certified bound; default), any positive float, "theory"
                   (α_min of the paper from δ*, N = layers × heads and the sequence length) or
                   "auto" (calibrated on a burn-in, then frozen). Geometry only.
@@ -117,7 +119,7 @@ class GeoscaleOptions:
 
     scaling: str = "geometry"
     granularity: str = "head"
-    estimator: str = "power"
+    estimator: str = "exact"
     alpha: Union[float, str] = 1.0
     eta: float = 0.8
     fp8_format: str = "e4m3"

@@ -26,7 +26,8 @@ __all__ = ["check_option_rules", "check_recipe_use"]
 _GEOMETRY_ONLY = ("granularity", "estimator", "alpha", "eta", "rope_bound", "power_iters",
                   "cold_start_iters")
 #: options read only by the logit bound's estimators and α: an fp8_qkv site reads none of them
-_LOGIT_BOUND_ONLY = ("estimator", "alpha", "rope_bound", "power_iters", "cold_start_iters")
+#: (the power estimator's iterations first: with them set, the estimator is set too)
+_LOGIT_BOUND_ONLY = ("power_iters", "cold_start_iters", "estimator", "alpha", "rope_bound")
 
 
 def check_option_rules(options) -> None:
@@ -51,9 +52,9 @@ def check_option_rules(options) -> None:
         where = "alpha0" if options.alpha == "auto" else "alpha"
         refuse_changed(options, ("delta",), "alpha='theory' (or alpha='auto' with "
                         "alpha0='theory')", where)
-    check_estimator_choices(options)
-    if options.lowering == "fp8_qkv":
+    if options.lowering == "fp8_qkv":      # before the estimator's own choices: it reads none
         _check_fp8_qkv(options)
+    check_estimator_choices(options)
     if options.lowering == "fused" and options.materializes_scores:
         reason = "audit=True" if options.audit else f"scaling={options.scaling!r}"
         raise ValueError("lowering='fused' (kernel='fused') never materializes the "

@@ -178,8 +178,9 @@ class GeometryRecipe:
 
     granularity   "head" (a certified scale per query head) or "layer" (the paper's σ of the
                   concatenated W^Q W^Kᵀ, one scale per layer).
-    estimator     "power" (one warm power iteration per step, exact at cold start) or "exact"
-                  (the certified Gram/eigh route every step).
+    estimator     "exact" (the certified Gram/eigh route every step; default) or "power"
+                  (the paper's one warm power iteration per step, exact at cold start: a
+                  lower bound of σ once the weights move, not certified).
     alpha         an ``Alpha`` (a plain number, "theory" or "auto" is read as ``Alpha(it)``).
     eta           margin η ∈ (0, 1]: the scale maps α·B to η·R_max (paper: 0.8).
     rope_bound    "norm_product" (certified) or "interaction" (the paper's; per head only).
@@ -190,7 +191,7 @@ class GeometryRecipe:
 
     scaling: ClassVar[str] = "geometry"
     granularity: str = "head"
-    estimator: str = "power"
+    estimator: str = "exact"
     alpha: Alpha = Alpha()
     eta: float = 0.8
     rope_bound: str = "norm_product"

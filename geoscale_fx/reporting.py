@@ -55,8 +55,8 @@ _COLUMNS = ("site", "head", "tp", "lowering", "scaling", "sigma", "norm_product"
             "alpha_emp",
             "ratios", "scale", "last_scaled", "max_scaled", "overflow_steps", "utilization",
             "steps", "cached_steps", "certified", "q_scale", "k_scale", "v_scale",
-            "kv_saturated", "note")
-_OPTIONAL = ("tp", "q_scale", "k_scale", "v_scale", "kv_saturated", "note")
+            "kv_saturated", "kv_nonfinite", "note")
+_OPTIONAL = ("tp", "q_scale", "k_scale", "v_scale", "kv_saturated", "kv_nonfinite", "note")
 
 
 @dataclass

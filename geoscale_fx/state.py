@@ -101,10 +101,16 @@ class SiteState(nn.Module):
             with torch.no_grad():
                 target.copy_(value)
             copied.add(name)
-        # warm only when every warm tensor really came back (a skipped one is still zero)
-        if self.warm_names and self.warm_names <= copied:
+        if _warm(self.warm_names, copied):
             self.cold = False
         self.calib_seen = None
+
+
+def _warm(warm_names: frozenset, came_back: set) -> bool:
+    """A restored site starts warm when every warm tensor really came back (a skipped one is
+    still zero); one with none (the exact estimator: nothing carried between steps) when
+    its state came back at all."""
+    return warm_names <= came_back if warm_names else bool(came_back)
 
 
 class _Sites(nn.ModuleDict):
@@ -168,5 +174,5 @@ class GeoscaleState(nn.Module):
         for key, site in self.sites.items():  # existing sites: warm iff their vectors came back
             names = {k[len(prefix) + len("sites.") + len(key) + 1:] for k in state_dict
                      if k.startswith(f"{prefix}sites.{key}.")}
-            site.cold = not (site.warm_names and site.warm_names <= names)
+            site.cold = not _warm(site.warm_names, names)
             site.calib_seen = None

@@ -118,10 +118,13 @@ def test_overhead_and_sweep_report_ratios_and_memory(ctx):
 def test_utilization_and_quality(ctx):
     util = calibration.utilization(ctx)
     _rows_have(util, "method", "median %", "P10 %", "P90 %", "overflow steps")
-    assert [r["method"] for r in util.rows] == ["delayed/paper", "geometry theory-alpha",
-                                                "geometry auto-alpha"]
+    assert [r["method"] for r in util.rows] == [
+        "delayed/paper", "geometry (default: exact)", "geometry, power iteration",
+        "geometry theory-alpha", "geometry auto-alpha"]
     for row in util.rows:
         assert 0 <= row["P10 %"] <= row["median %"] <= row["P90 %"]
+    exact, power = util.rows[1], util.rows[2]     # power: a lower bound of σ, a larger share
+    assert exact["median %"] <= power["median %"] * 1.001 and exact["overflow steps"] == 0
     quality = calibration.quality(ctx)
     _rows_have(quality, "method", "val loss before", "val loss after", "overflow steps")
     assert quality.rows[0]["method"] == "none"

@@ -46,7 +46,7 @@ DEFAULTS = {f.name: f.default for f in fields(GeoscaleOptions)}
 VALUES = {
     "scaling": ("geometry", "delayed", "current", "none"),
     "granularity": ("head", "layer"),
-    "estimator": ("power", "exact"),
+    "estimator": ("exact", "power"),
     "alpha": (1.0, 0.5, "theory", "auto"),
     "eta": (0.8, 0.5),
     "fp8_format": ("e4m3", "e5m2"),
@@ -191,7 +191,7 @@ def test_full_product_spelled_as_a_recipe():
 @pytest.mark.parametrize("kwargs, names", [
     (dict(scaling="delayed", alpha="auto"), ("alpha", "scaling")),
     (dict(scaling="current", granularity="layer"), ("granularity", "scaling")),
-    (dict(scaling="none", estimator="exact"), ("estimator", "scaling")),
+    (dict(scaling="none", estimator="power"), ("estimator", "scaling")),
     (dict(scaling="delayed", rope_bound="interaction"), ("rope_bound", "scaling")),
     (dict(scaling="geometry", delayed_recipe="te"), ("delayed_recipe", "scaling")),
     (dict(history_len=8), ("history_len", "scaling")),
@@ -213,7 +213,7 @@ def test_full_product_spelled_as_a_recipe():
     (dict(granularity="layer", rope_bound="interaction"), ("rope_bound", "granularity")),
     (dict(lowering="fp8_qkv", alpha=0.5), ("alpha", "lowering")),
     (dict(lowering="fp8_qkv", alpha="theory"), ("alpha", "lowering")),
-    (dict(lowering="fp8_qkv", estimator="exact"), ("estimator", "lowering")),
+    (dict(lowering="fp8_qkv", estimator="power"), ("estimator", "lowering")),
     (dict(lowering="fp8_qkv", rope_bound="interaction"), ("rope_bound", "lowering")),
     (dict(lowering="fp8_qkv", power_iters=2), ("power_iters", "lowering")),
     (dict(kv_cache="int8"), ("kv_cache",)),

@@ -15,7 +15,7 @@ from geoscale_fx.recipes import (Alpha, CurrentRecipe, DelayedRecipe, GeometryRe
                                  NoScalingRecipe)
 
 #: a value away from the default for each option a rule may refuse
-CHANGED = {"granularity": "layer", "estimator": "exact", "alpha": 2.0, "eta": 0.5,
+CHANGED = {"granularity": "layer", "estimator": "power", "alpha": 2.0, "eta": 0.5,
            "rope_bound": "interaction", "power_iters": 3, "cold_start_iters": 7,
            "delayed_recipe": "te", "history_len": 8, "fp8_format": "e5m2", "audit": True,
            "calib_steps": 10, "quantile": 0.99, "kappa": 2.0, "alpha0": 0.5, "delta": 1e-3}
@@ -146,9 +146,10 @@ def test_qkv_refuses_observed_logits_and_logit_bound_fields():
     assert "GeometryRecipe.alpha=Alpha('auto')" in _recipe_refused(
         GeometryRecipe(alpha=Alpha("auto")), quantize="qkv")
     assert "audit=True" in _recipe_refused(GeometryRecipe(), quantize="qkv", audit=True)
-    for field, value in (("estimator", "exact"), ("rope_bound", "interaction"),
+    for field, value in (("estimator", "power"), ("rope_bound", "interaction"),
                          ("power_iters", 3), ("cold_start_iters", 7)):
-        message = _recipe_refused(GeometryRecipe(**{field: value}), quantize="qkv")
+        power = {"estimator": "power"} if field.endswith("_iters") else {}
+        message = _recipe_refused(GeometryRecipe(**power, **{field: value}), quantize="qkv")
         assert f"GeometryRecipe.{field}={value!r} sets the logit bound" in message
         assert "quantize='qkv'" in message
 

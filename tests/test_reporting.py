@@ -50,8 +50,9 @@ def test_per_layer_bounds_are_never_reported_certified():
 
 def test_per_head_exact_bounds_are_reported_certified_and_power_only_at_cold_start():
     zoo = models_zoo.get("nanogpt")
-    exact = geoscale_fx.wrap(zoo.model, compiler="aot_eager", estimator="exact")
-    power = geoscale_fx.wrap(models_zoo.get("nanogpt").model, compiler="aot_eager")
+    exact = geoscale_fx.wrap(zoo.model, compiler="aot_eager")          # the default
+    power = geoscale_fx.wrap(models_zoo.get("nanogpt").model, compiler="aot_eager",
+                             estimator="power")
     with torch.no_grad():
         for _ in range(2):
             exact(**zoo.example_inputs(batch=2, seq_len=16))

@@ -129,11 +129,14 @@ def test_restore_with_a_mismatched_warm_tensor_stays_cold():
     assert state.cold is True
 
 
-def test_site_without_warm_specs_stays_cold_after_restore():
-    """A site with no warm tensors has nothing that would make it warm."""
+def test_site_without_warm_specs_is_warm_once_its_state_came_back():
+    """A site with no warm tensors (the exact estimator carries nothing between steps) is
+    warm when its state came back, and stays cold when nothing of it did."""
     state = SiteState([StateSpec("scale", (2,), 1.0)], "cpu")
-    state.restore({"scale": torch.full((2,), 3.0)})
+    state.restore({"other": torch.zeros(2)})
     assert state.cold is True
+    state.restore({"scale": torch.full((2,), 3.0)})
+    assert state.cold is False
 
 
 def test_restore_resets_calib_seen():
