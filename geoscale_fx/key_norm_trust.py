@@ -30,11 +30,13 @@ caches are re-measured every call (correct, O(cache)).
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx.head_weights import key_head_norms
@@ -44,6 +46,8 @@ from geoscale_fx.site_terms import Side
 from geoscale_fx.version_record import VersionRecord
 
 __all__ = ["KeyNormTrust"]
+
+log = logging.getLogger("geoscale_fx")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,18 @@ class _Owner:
         record: Optional[VersionRecord] = self.record()
         return record is not None and record.holds_slot(self.running, running) and all(
             any(record.holds_slot(slot, cache) for slot in self.caches) for cache in caches)
+
+
+def _said_nonfinite(heads: int) -> None:
+    """A past cache handed in with keys that are not finite (bits of someone else's FP8
+    cache, NaN activations): the bound over them is not finite either. Counted
+    (``counters["geoscale"]["nonfinite_cached_keys"]``) and said once per process."""
+    counters["geoscale"]["nonfinite_cached_keys"] += 1
+    if counters["geoscale"]["nonfinite_cached_keys"] == 1:
+        log.warning("geoscale: a past KV cache holds keys that are not finite (%d key "
+                    "head(s) with NaN/inf): their logit bound and the attention's output are "
+                    "not finite; check the cache (its bits, or the activations that wrote "
+                    "it)", heads)
 
 
 def _stored_from(node: Node, key: str) -> bool:
@@ -184,6 +200,8 @@ class KeyNormTrust:
                 for cache, repeat in caches:
                     heads = key_head_norms(cache, entry.axes).repeat_interleave(repeat)
                     norms = torch.maximum(norms, heads.to(norms))
+                if not bool(torch.isfinite(norms).all()):
+                    _said_nonfinite(int((~torch.isfinite(norms)).sum()))
                 running.copy_(norms)
             measured += 1
         return measured

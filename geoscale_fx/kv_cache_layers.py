@@ -5,7 +5,8 @@
   per-kv-head scales s_h, ``Q(x / s_h)`` (``fp8.saturating_cast``), lets the parent store the
   FP8 bits (as ``uint8``: CPU has no ``index_copy_`` for float8), and returns the dequantized
   states ``Q(x / s_h) · s_h``, as an FP8-KV kernel reads them. Entries that reach ±R_max are
-  counted (``saturated``; never a host sync).
+  counted (``saturated``; never a host sync), and so are entries that are not finite
+  (``nonfinite``: stored as NaN, an attention reading them is NaN).
 * ``NVFP4Layer`` — the same with NVFP4 storage (``geoscale_fx.nvfp4``: E2M1 values, an E4M3
   scale per 16 entries of the head dim, packed to 4.5 bits per entry); its per-kv-head global
   scale is s_g ≥ B / (6 · 448), so no block scale can overflow E4M3. ``saturated`` counts
@@ -58,10 +59,21 @@ class FP8Layer:
     saturated: torch.Tensor        # (2,) int64: key and value entries that reached ±R_max
     compute_dtype: Optional[torch.dtype]
 
+    nonfinite: Optional[torch.Tensor]   # (2,) int64: key and value entries not finite
+
     def setup_fp8(self, k_scale: torch.Tensor, v_scale: torch.Tensor, fmt: str,
-                  saturated: torch.Tensor) -> None:
+                  saturated: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> None:
         self.fmt, self.k_scale, self.v_scale = fmt, k_scale, v_scale
         self.saturated, self.compute_dtype = saturated, None
+        self.nonfinite = nonfinite
+
+    def _count_nonfinite(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Entries stored that are not finite (NaN/inf keys or values: stored as NaN, and
+        an attention reading them is NaN), counted per call without a host sync."""
+        if self.nonfinite is not None:
+            bad = torch.stack([(~torch.isfinite(key_states)).sum(),
+                               (~torch.isfinite(value_states)).sum()])
+            self.nonfinite.add_(bad.to(self.nonfinite.device))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.k_scale.numel() not in (1, key_states.shape[1]):
@@ -73,6 +85,7 @@ class FP8Layer:
         keys, k_hits = _quantize(key_states, self.k_scale, self.fmt)
         values, v_hits = _quantize(value_states, self.v_scale, self.fmt)
         self.saturated.add_(torch.stack([k_hits, v_hits]).to(self.saturated.device))
+        self._count_nonfinite(key_states, value_states)
         keys, values = super().update(keys, values, *args, **kwargs)
         return (_dequantize(keys, self.k_scale, self.fmt, key_states.dtype),
                 _dequantize(values, self.v_scale, self.fmt, value_states.dtype))
@@ -98,6 +111,7 @@ class NVFP4Layer(FP8Layer):
         keys, k_hits = _nvfp4_store(key_states, k_g)
         values, v_hits = _nvfp4_store(value_states, v_g)
         self.saturated.add_(torch.stack([k_hits, v_hits]).to(self.saturated.device))
+        self._count_nonfinite(key_states, value_states)
         keys, values = super(FP8Layer, self).update(keys, values, *args, **kwargs)
         return (_nvfp4_read(keys, k_g, key_states.shape[-1]).to(key_states.dtype),
                 _nvfp4_read(values, v_g, value_states.shape[-1]).to(value_states.dtype))
@@ -126,10 +140,11 @@ def _fp8_class(layer_class: type, mixin: type = FP8Layer) -> type:
 
 
 def fp8_cache(config: Any, layers: list[LayerScales], fmt: str, saturated: list[torch.Tensor],
-              *, static: bool = False, max_cache_len: Optional[int] = None):
+              *, static: bool = False, max_cache_len: Optional[int] = None,
+              nonfinite: Optional[list[torch.Tensor]] = None):
     """A Hugging Face ``DynamicCache`` (or ``StaticCache``) for ``config`` whose layers store
     FP8 (or NVFP4 for ``fmt="nvfp4"``), each with its layer's frozen scales and saturation
-    counter."""
+    counter (and, given ``nonfinite``, its counter of entries that were not finite)."""
     from transformers import DynamicCache, StaticCache
 
     if static:
@@ -146,7 +161,8 @@ def fp8_cache(config: Any, layers: list[LayerScales], fmt: str, saturated: list[
         fp8_layer = object.__new__(_fp8_class(type(layer), mixin))   # quantized storage
         fp8_layer.__dict__.update(layer.__dict__)
         k_scale, v_scale = scales.scales(fmt)
-        fp8_layer.setup_fp8(k_scale, v_scale, fmt, counter)
+        fp8_layer.setup_fp8(k_scale, v_scale, fmt, counter,
+                            nonfinite[i] if nonfinite is not None else None)
         cache.layers[i] = fp8_layer
     return cache
 

@@ -61,6 +61,8 @@ class KVCacheManager:
         self.kv_cache = kv_cache
         self.source = WeightKVScales(model)
         self.saturated: list[torch.Tensor] = []
+        self.nonfinite: list[torch.Tensor] = []     # per layer: keys, values not finite
+        self._nonfinite_said = 0
         self.last_layers: Optional[list[LayerScales]] = None
 
     def new_cache(self, example_ids: torch.Tensor, *, static: bool = False,
@@ -73,9 +75,10 @@ class KVCacheManager:
         layers = self.source.layers()
         if not self.saturated:
             self.saturated = [torch.zeros(2, dtype=torch.int64) for _ in layers]
+            self.nonfinite = [torch.zeros(2, dtype=torch.int64) for _ in layers]
         self.last_layers = layers
         return fp8_cache(self.model.config, layers, self.fmt, self.saturated, static=static,
-                         max_cache_len=max_cache_len)
+                         max_cache_len=max_cache_len, nonfinite=self.nonfinite)
 
     def generate_kwargs(self, args: tuple, kwargs: dict) -> dict:
         """``kwargs`` of a ``generate`` call with an FP8 cache under generate's cache argument
@@ -111,12 +114,20 @@ class KVCacheManager:
         if total:
             log.warning("geoscale: kv_cache=%r: %d cached entries reached ±R_max (weights "
                         "changed during one cache's life?)", self.kv_cache, total)
+        bad = int(sum(int(c.sum()) for c in self.nonfinite))
+        if bad > self._nonfinite_said:      # said once per new count
+            log.warning("geoscale: kv_cache=%r: %d cached key/value entries were not finite "
+                        "(NaN/inf keys or values: stored as NaN, and the attention reading "
+                        "them gives NaN); report() counts them per layer (kv_nonfinite)",
+                        self.kv_cache, bad)
+            self._nonfinite_said = bad
 
     def saturated_total(self) -> int:
         return int(sum(int(c.sum()) for c in self.saturated))
 
     def rows(self) -> dict[str, dict]:
-        """Per site name: ``k_scale``/``v_scale`` (max over kv heads) and ``kv_saturated``."""
+        """Per site name: ``k_scale``/``v_scale`` (max over kv heads), ``kv_saturated`` and,
+        where some were, ``kv_nonfinite`` (entries that were not finite)."""
         if self.last_layers is None:
             return {}
         out = {}
@@ -124,4 +135,7 @@ class KVCacheManager:
             k_scale, v_scale = layer.scales(self.fmt)
             out[layer.site] = {"k_scale": float(k_scale.max()), "v_scale": float(v_scale.max()),
                                "kv_saturated": int(counter.sum())}
+        for layer, counter in zip(self.last_layers, self.nonfinite):
+            if int(counter.sum()):
+                out[layer.site]["kv_nonfinite"] = int(counter.sum())
         return out

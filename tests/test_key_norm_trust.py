@@ -161,3 +161,21 @@ def test_the_fast_check_follows_the_stored_keys_of_a_concatenating_graph():
 def test_a_graph_without_incremental_keys_always_holds():
     trust, states, _ = _trust(ExactSigma(Term(_query(), _query()), "", 1.0))
     assert trust.holds([_cache(), _cache()], trust.runnings(states), VersionRecord())
+
+
+def test_a_cache_with_keys_that_are_not_finite_is_counted_and_said_once(caplog):
+    """Someone else's cache (its FP8 bits, or NaN activations) with NaN keys: the measured
+    maximum is not finite; counted and warned, never silent."""
+    from torch._dynamo.utils import counters
+
+    counters["geoscale"].clear()
+    trust, states, state = _trust(ExactObservedKeys(Term(_query(), _keys()), "", 1.0))
+    past = _cache()
+    past[0, 1, 2, 0] = float("nan")
+    with caplog.at_level("WARNING", logger="geoscale_fx"):
+        trust.before([past, _cache(seed=1)], states)
+        trust.before([past.clone(), _cache(seed=1)], states)     # a new tensor: measured again
+    assert counters["geoscale"]["nonfinite_cached_keys"] == 2
+    assert bool(torch.isnan(state.key_norm_max[1])) and bool(torch.isfinite(state.key_norm_max[0]))
+    said = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(said) == 1 and "1 key head(s)" in said[0]

@@ -141,3 +141,21 @@ def test_cache_nbytes_counts_one_byte_per_fp8_entry():
     nv, _ = _cache("nvfp4")
     nv.update(_states(4), _states(4), 0)
     assert cache_nbytes(nv) == 2 * N_KV * 4 * (HEAD_DIM // 2 + HEAD_DIM // 16)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
+def test_entries_that_are_not_finite_are_counted_per_layer(fmt):
+    """NaN and inf keys or values (NaN activations) are counted as they are stored, per layer
+    and per role; a cache without the counters keeps working as before."""
+    nonfinite = [torch.zeros(2, dtype=torch.int64) for _ in range(LAYERS)]
+    cache, _ = _cache(fmt, nonfinite=nonfinite)
+    keys, values = _states(4, seed=5), _states(4, (4.0, 1.0), seed=6)
+    keys[0, 1, 2, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    values[0, 0, 0, 0] = float("nan")
+    out_k, _ = cache.update(keys, values, 1)
+    assert nonfinite[1].tolist() == [3, 1] and nonfinite[0].tolist() == [0, 0]
+    assert bool(torch.isnan(out_k[0, 1, 2, 0]))            # stored as NaN: read back as NaN
+    cache.update(_states(2, seed=7), _states(2, (4.0, 1.0), seed=8), 1)
+    assert nonfinite[1].tolist() == [3, 1]
+    plain, _ = _cache(fmt)
+    plain.update(keys, values, 1)                          # no counters: nothing counted

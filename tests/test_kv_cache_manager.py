@@ -55,6 +55,28 @@ def test_saturation_is_counted_across_caches_and_warned_about(caplog):
     assert "2 cached entries reached ±R_max" in caplog.text
 
 
+def test_entries_that_are_not_finite_are_counted_reported_and_warned_once(caplog):
+    """A generation whose keys turn NaN (a token with a NaN embedding: not a weight the
+    bounds read) stores NaN; the manager counts it per layer, ``rows`` reports it, and
+    ``after_generate`` says it once per new count."""
+    model = build_hf("llama-sdpa")
+    manager = KVCacheManager(model, "fp8")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7] = float("nan")
+    ids = _ids()
+    ids[0, 2] = 7
+    kwargs = manager.generate_kwargs((ids,), {})
+    with torch.no_grad():
+        model(ids, use_cache=True, **{cache_argument(): kwargs[cache_argument()]})
+    rows = manager.rows()
+    assert rows["model.layers.0.self_attn"]["kv_nonfinite"] == 2 * 16 * 2   # heads × d_h × k, v
+    with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+        manager.after_generate()
+        manager.after_generate()
+    said = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
+    assert len(said) == 1 and "kv_nonfinite" in said[0]
+
+
 def test_generate_kwargs_build_a_dynamic_or_static_cache(caplog):
     manager = KVCacheManager(build_hf("llama-sdpa"), "nvfp4")
     ids = _ids(length=5)
