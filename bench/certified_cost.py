@@ -71,7 +71,7 @@ def _time(fn, repeats: int) -> float:
 
 def _routes(a_q: torch.Tensor, a_k: torch.Tensor) -> dict:
     u = torch.randn(a_q.shape[0], a_q.shape[1])
-    v = torch.randn(a_k.shape[0], a_k.shape[1])
+    v = torch.randn(a_q.shape[0], a_k.shape[1])           # per query head
     return {
         "norm product (RoPE)": lambda: (spectral.head_spectral_norms(a_q),
                                         spectral.head_spectral_norms(a_k)),

@@ -30,17 +30,16 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _get_cache_entries_for_region, reset_code
-from torch._dynamo.resume_execution import ContinueExecutionCache
+from torch._dynamo.eval_frame import _get_cache_entries_for_region
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.dynamo_backend import GeoscaleBackend
+from geoscale_fx.dynamo_code import fresh_function, release_codes
 from geoscale_fx.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "CompiledRegion", "RECOMPILE_LIMIT", "attach_state", "detach_state",
-           "compile_with_geoscale", "compile_module", "route_forward", "unroute_forward",
-           "release_codes", "disable_hf_auto_compile",
+           "compile_with_geoscale", "compile_module", "route_forward", "unroute_forward", "disable_hf_auto_compile",
            "enable_hf_auto_compile", "geoscale_call"]
 
 log = logging.getLogger("geoscale_fx")
@@ -339,18 +338,6 @@ def unroute_forward(model: nn.Module) -> None:
         model.forward = previous
 
 
-def release_codes(codes: list[types.CodeType]) -> None:
-    """Drop Dynamo's compiled entries of ``codes`` and of the functions it made to resume
-    them after graph breaks (their graphs, the runtimes and whatever these hold: Dynamo
-    removes the globals it installed for them), and forget the codes."""
-    pending = list(codes)
-    while pending:
-        code = pending.pop()
-        reset_code(code)
-        pending += ContinueExecutionCache.cache.get(code, {}).values()
-    codes.clear()
-
-
 def module_hooks(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{module path: qualified names of its forward and forward-pre hooks}``."""
     out = {}
@@ -384,11 +371,8 @@ def compile_module(model: nn.Module, **kwargs):
     def call(*args, **kw):
         return model._call_impl(*args, **kw)
 
-    # a code object of its own: Dynamo's frame state, counters and cache entries are per
-    # code object, so no two compiles of this function (models, renewals) share them
-    call = types.FunctionType(call.__code__.replace(), call.__globals__, call.__name__,
-                              call.__defaults__, call.__closure__)
-    return torch.compile(call, **kwargs)
+    # a code object of its own per compile (models, renewals): released with the model
+    return torch.compile(fresh_function(call), **kwargs)
 
 
 def disable_hf_auto_compile(model: nn.Module) -> None:

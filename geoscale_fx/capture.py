@@ -13,12 +13,15 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
+from geoscale_fx.dynamo_code import fresh_function, release_codes
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.site_model import AttentionSite
@@ -55,15 +58,52 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
         box["captured"].append(CapturedGraph(gm, list(example_inputs)))
         return gm.forward
 
-    # isolate_recompiles: this capture keeps its own cache entries, so repeated captures never
-    # count against (or hit) the recompile limit of other torch.compile calls.
-    compiled = torch.compile(model, backend=recorder, dynamic=dynamic,
-                             isolate_recompiles=True)
-    try:
-        compiled(*args, **kwargs)
-    finally:
-        box.clear()
+    # the code Dynamo compiles is a fresh copy (the function, or the module's forward): this
+    # capture's cache entries never count against (or hit) the recompile limit of other
+    # compiles, and are dropped once it ran (``dynamo_code``)
+    codes: list = []
+    with _fresh_forward(model, codes) as target:
+        compiled = torch.compile(target, backend=recorder, dynamic=dynamic,
+                                 isolate_recompiles=True)
+        try:
+            compiled(*args, **kwargs)
+        finally:
+            box.clear()
+            release_codes(codes)
     return captured
+
+
+@contextlib.contextmanager
+def _fresh_forward(model, codes: list):
+    """``model`` with a fresh copy of its forward's code (a module: its ``forward``, as an
+    instance attribute for the capture's duration, so ``model(...)`` still runs its hooks;
+    a function: the function), whose code goes into ``codes``; ``model`` itself where
+    there is no Python function to copy."""
+    if isinstance(model, torch.nn.Module):
+        forward = model.forward
+        func = getattr(forward, "__func__", forward)
+        if not isinstance(func, types.FunctionType):
+            yield model
+            return
+        fresh = fresh_function(func)
+        codes.append(fresh.__code__)
+        had = "forward" in model.__dict__
+        previous = model.__dict__.get("forward")
+        model.forward = types.MethodType(fresh, model) if hasattr(forward, "__func__") \
+            else fresh
+        try:
+            yield model
+        finally:
+            if had:
+                model.forward = previous
+            else:
+                del model.__dict__["forward"]
+    elif isinstance(model, types.FunctionType):
+        fresh = fresh_function(model)
+        codes.append(fresh.__code__)
+        yield fresh
+    else:
+        yield model
 
 
 def find_attention(model: torch.nn.Module | Any, *args, **kwargs) -> list[AttentionSite]:

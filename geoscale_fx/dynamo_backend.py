@@ -12,6 +12,7 @@ found, rewrites per lowering and sites left as is.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Callable, Sequence
@@ -119,6 +120,8 @@ class GeoscaleBackend:
         model = self.model if self.model is not None else frame_root(gm)
         gm = inline_activation_checkpoints(gm)   # attention inside checkpointed regions
         attach_model(gm, model)      # sites are named in it (``passes.module_names``)
+        # the records' sites read the parameters weakly (site_logit_bound(record.site)
+        # works while the model lives, and keeps nothing alive)
         sites = [runnable(s) for s in
                  analyze_graph(gm, example_inputs, rope_bound=self.options.rope_bound,
                                weak_inputs=True)]
@@ -172,7 +175,12 @@ class GeoscaleBackend:
         for site in sites:
             owners = site_owners(gm, site, values)
             key, name = self._key(site, sites, owners, site.name)
-            result = plan_site(site, self.options, key, ctx)
+            # the plans outlive the graph (Inductor's pre-grad passes keep a rewritten
+            # graph's call targets, the sites' programs, for the process's life): the
+            # plan's site has no reader of the graph's values (the runtime evaluates the
+            # weights from its own inputs)
+            result = plan_site(dataclasses.replace(site, _resolve=None), self.options, key,
+                               ctx)
             if isinstance(result, Skip):
                 self._skip(site, result.reason, owners)
                 continue

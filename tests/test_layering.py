@@ -43,6 +43,7 @@ LAYERS = {
     "passes.normalization": ANALYSIS, "passes.value_bound": ANALYSIS, "passes.provenance": ANALYSIS,
     "passes.find_sites": ANALYSIS, "passes.cached_keys": ANALYSIS, "passes.evaluate": ANALYSIS,
     "passes.fp8_cache_reads": ANALYSIS, "passes.analyze": ANALYSIS, "capture": ANALYSIS,
+    "dynamo_code": ANALYSIS,
     "passes.replay_records": ANALYSIS, "passes.rotary_terms": ANALYSIS,
     "passes.rotary_gain": ANALYSIS, "passes.candidate": ANALYSIS,
     "passes.rotation_pairs": ANALYSIS, "passes.operand_sides": ANALYSIS,
