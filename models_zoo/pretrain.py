@@ -9,7 +9,10 @@ because the stdlib differs between Python versions — and ``<cache>`` is ``$GEO
 else ``$XDG_CACHE_HOME/geoscale_fx``, else ``~/.cache/geoscale_fx``. The directory holds the
 ``save_pretrained`` output (``config.json``, ``model.safetensors``), ``recipe.json`` and
 ``metrics.json`` (train / validation loss, bits per byte, steps, seconds). It is written
-under a temporary name and renamed, so a crash never leaves a half checkpoint behind.
+under a temporary name and renamed, so a crash never leaves a half checkpoint behind. The
+quick profile's checkpoints are also kept in the repository (``models_zoo/checkpoints/``,
+``SHIPPED``), read when their key matches: a fresh machine's first ``python -m bench`` does
+not pretrain.
 
 The default recipes take about two CPU minutes per family on two cores and reach a
 validation loss far below a uniform byte model's ln 256 ≈ 5.55 nats: their attention is
@@ -34,8 +37,8 @@ import torch
 
 from models_zoo import configs, corpus
 
-__all__ = ["Recipe", "DEFAULT_RECIPES", "cache_root", "checkpoint_dir", "train",
-           "load_pretrained", "main"]
+__all__ = ["Recipe", "DEFAULT_RECIPES", "cache_root", "checkpoint_dir", "shipped_dir",
+           "SHIPPED", "train", "load_pretrained", "main"]
 
 logger = logging.getLogger("geoscale_fx.models_zoo")
 
@@ -99,8 +102,24 @@ def cache_root() -> Path:
 
 def checkpoint_dir(recipe: Recipe, corpus_sha256: str) -> Path:
     """``<cache>/pretrained/<family>-<sha256(recipe JSON, corpus)[:12]>``."""
+    return cache_root() / "pretrained" / _checkpoint_name(recipe, corpus_sha256)
+
+
+def _checkpoint_name(recipe: Recipe, corpus_sha256: str) -> str:
     key = hashlib.sha256(f"{recipe.to_json()}\n{corpus_sha256}".encode()).hexdigest()[:12]
-    return cache_root() / "pretrained" / f"{recipe.family}-{key}"
+    return f"{recipe.family}-{key}"
+
+
+#: checkpoints kept in the repository (the quick profile's, a fresh machine's first bench
+#: run needs no pretraining), under the same names as in the cache: used when their key
+#: (recipe and corpus: the stdlib of this Python) matches, trained otherwise
+SHIPPED = Path(__file__).resolve().parent / "checkpoints"
+
+
+def shipped_dir(recipe: Recipe, corpus_sha256: str) -> Path | None:
+    """The repository's checkpoint for this recipe and corpus, if it has one."""
+    path = SHIPPED / _checkpoint_name(recipe, corpus_sha256)
+    return path if (path / "metrics.json").is_file() else None
 
 
 def _model_class(family: str):
@@ -203,6 +222,9 @@ def load_pretrained(family: str, recipe: Recipe | None = None, *,
         raise ValueError(f"recipe.family={recipe.family!r} does not match family={family!r}")
     data = corpus.load_stdlib_corpus(recipe.data_budget_bytes, recipe.val_every)
     out_dir = checkpoint_dir(recipe, data.sha256)
+    shipped = shipped_dir(recipe, data.sha256)
+    if not force and shipped is not None and not (out_dir / "metrics.json").is_file():
+        out_dir = shipped
     if force or not (out_dir / "metrics.json").is_file():
         logger.info("no pretrained %s checkpoint at %s: training it (%d steps, a few CPU "
                     "minutes)", family, out_dir, recipe.steps)

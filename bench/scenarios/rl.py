@@ -163,7 +163,7 @@ def rl_rollouts(ctx: Context) -> ScenarioResult:
 
     result = ScenarioResult("rl", "14. RL rollouts with an FP8 KV cache: rollout-trainer "
                                   "mismatch per source of k/v scales")
-    lm = ctx.causal_lms()[0]
+    lm = ctx.lm(ctx.models[0])       # one LM (causal_lms() builds every one in --full)
     steps = ctx.steps(8, 30)
     lr = 5e-4
     policy, engine = lm.build(), lm.build()
