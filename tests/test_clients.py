@@ -106,10 +106,10 @@ def test_grpo_compiles_a_bounded_number_of_graphs(saved_llama, tmp_path):
     path, tok = saved_llama
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     geoscale_fx.apply_(model, kv_cache="fp8", compiler="aot_eager")
-    compiling = _grpo(model, tok, tmp_path / "grpo", steps=6, gradient_checkpointing=False)
+    compiling = _grpo(model, tok, tmp_path / "grpo", steps=5, gradient_checkpointing=False)
     call = geoscale_call(model)
     assert call.eager_calls == 0 and call.region.renewals == 0
-    assert compiling[-1] <= 10 and compiling[-3] == compiling[-1], compiling
+    assert compiling[-1] <= 10 and compiling[-2] == compiling[-1], compiling
 
 
 def test_sft_trainer_trains_through_geoscale(saved_llama, tmp_path):

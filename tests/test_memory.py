@@ -68,16 +68,16 @@ def _round(convert, generate: bool = False) -> tuple[weakref.ref, weakref.ref]:
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_deleted_model_is_freed(entry):
-    refs = [_round(ENTRY_POINTS[entry]) for _ in range(2)]
+    parameter, module = _round(ENTRY_POINTS[entry])
     gc.collect()
-    assert [(p() is None, m() is None) for p, m in refs] == [(True, True)] * 2
+    assert (parameter() is None, module() is None) == (True, True)
 
 
 def test_a_deleted_model_with_an_fp8_cache_is_freed_after_generate():
-    refs = [_round(lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager"),
-                   generate=True) for _ in range(2)]
+    parameter, module = _round(lambda m: geoscale_fx.apply_(m, kv_cache="fp8",
+                                                            compiler="aot_eager"), generate=True)
     gc.collect()
-    assert [(p() is None, m() is None) for p, m in refs] == [(True, True)] * 2
+    assert (parameter() is None, module() is None) == (True, True)
 
 
 def test_restore_frees_the_graphs_compiled_for_the_model():
