@@ -76,6 +76,20 @@ class CheckpointReader:
                     return value
         return torch.get_default_dtype()
 
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor of ``name``'s stored shape and dtype (its file's header; no data)."""
+        from safetensors import safe_open
+
+        path = self.directory / self.file_of(name)
+        with safe_open(str(path), framework="pt") as f:
+            stored = f.get_slice(name)
+            dtype = getattr(torch, _TORCH_DTYPES.get(stored.get_dtype(), ""), None)
+            shape = stored.get_shape()
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"checkpoint tensor {name!r} in {path} has dtype "
+                             f"{stored.get_dtype()}, which torch does not know here")
+        return torch.empty(shape, dtype=dtype, device="meta")
+
     def read(self, names: Iterable[str], finite: bool = True) -> dict[str, torch.Tensor]:
         """``{name: tensor}`` on the CPU, in the stored dtype; each shard opened once.
         ``finite=False`` skips the NaN/inf check (buffers such as masks hold -inf)."""
@@ -117,4 +131,5 @@ def _finite(tensor: torch.Tensor, name: str, path: Path) -> torch.Tensor:
 _MINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: safetensors dtype names -> torch attribute names
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}

@@ -9,13 +9,15 @@ never loaded:
    analysed by ``analyze_graph`` with meta ``input_ids`` — the analysis reads shapes and
    use-def chains, not values. Buffers the trace may evaluate are made real first, as
    ``from_pretrained`` makes them: non-persistent ones (rotary ``inv_freq``) by the model's
-   own ``_init_weights``, persistent ones read from the checkpoint.
+   own ``_init_weights``, persistent ones read from the checkpoint (under its names for
+   them, as below).
 2. **Read what each bound reads.** Per attention site, the graph nodes its q/k/v bounds read
    (``AttentionSite.operand_nodes``: projection weights, biases, input-norm and QK-norm
    gains) are followed back to the graph's parameter placeholders; each placeholder's
-   example value *is* a model parameter, whose name is the checkpoint's name for it.
-   Those tensors alone are read (``CheckpointReader``: a missing or non-finite one is a
-   ``ValueError`` naming it and its file), substituted for the meta parameters, the bounds
+   example value *is* a model parameter. Those tensors alone are read, under the names the
+   checkpoint holds them by (``CheckpointKeys``: transformers' own load-time renamings and
+   converters; a missing or non-finite one is a ``ValueError`` naming it and its file),
+   substituted for the meta parameters, the bounds
    evaluated (``amax.site_amax_bounds``; the query heads a chunk at a time, see
    ``_bounds_by_head_chunks``), and the tensors dropped before the next site.
 
@@ -43,6 +45,7 @@ from torch import nn
 
 from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
+from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
@@ -63,17 +66,23 @@ HEAD_CHUNK_BYTES = 128 << 20
 
 def meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader) -> nn.Module:
     """The checkpoint's model on the meta device, its buffers real (see the module doc)."""
+    return _meta_model(directory, reader)[0]
+
+
+def _meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader
+                ) -> tuple[nn.Module, CheckpointKeys]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(directory)
     dtype = getattr(config, "dtype", None) or reader.floating_dtype()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    _materialize_buffers(model, reader)
-    return model
+    keys = CheckpointKeys(model, reader)
+    _materialize_buffers(model, keys)
+    return model, keys
 
 
-def _materialize_buffers(model: nn.Module, reader: CheckpointReader) -> None:
+def _materialize_buffers(model: nn.Module, keys: CheckpointKeys) -> None:
     initialize = []
     for name, buffer in list(model.named_buffers()):
         if buffer.device.type != "meta":
@@ -81,8 +90,8 @@ def _materialize_buffers(model: nn.Module, reader: CheckpointReader) -> None:
         path, _, attr = name.rpartition(".")
         owner = model.get_submodule(path)
         if attr not in owner._non_persistent_buffers_set:
-            if name in reader:                    # state, saved with the weights
-                value = reader.read([name], finite=False)[name]
+            if name in keys:                      # state, saved with the weights
+                value = keys.read([name], finite=False)[name]
                 setattr(owner, attr, value.to(buffer.dtype))
             continue
         fill = math.nan if buffer.is_floating_point() else 0
@@ -105,7 +114,7 @@ def checkpoint_layer_scales(directory: Union[str, os.PathLike]
                             ) -> tuple[nn.Module, list[LayerScales]]:
     """``(meta model, per-layer bounds in layer order)`` of a saved checkpoint."""
     reader = CheckpointReader(directory)
-    model = meta_model(directory, reader)
+    model, keys = _meta_model(directory, reader)
     ids = torch.zeros((1, TRACE_LEN), dtype=torch.long, device="meta")
     with torch.no_grad():      # as export_kv_scales traces an in-memory model
         graphs = capture_graphs(model, input_ids=ids, use_cache=False)
@@ -122,7 +131,7 @@ def checkpoint_layer_scales(directory: Union[str, os.PathLike]
     names = _parameter_names(model)
     layers = []
     for graph, kinds, site in found:
-        bounds = _site_bounds(site, graph, kinds, names, reader)
+        bounds = _site_bounds(site, graph, kinds, names, keys)
         layers.append(_layer_scales(model, site, len(layers), bounds))
     log.info("geoscale: export_kv_scales: %d attention layers of %s bounded from %s",
              len(layers), type(model).__name__, directory)
@@ -149,7 +158,7 @@ def _require_bounded(site: AttentionSite) -> None:
 
 
 def _site_bounds(site: AttentionSite, graph: CapturedGraph, kinds: ValueKinds,
-                 names: dict[int, list[str]], reader: CheckpointReader
+                 names: dict[int, list[str]], keys: CheckpointKeys
                  ) -> dict[str, torch.Tensor]:
     """The site's q/k/v bounds, its tensors read from the checkpoint and dropped after."""
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
@@ -161,10 +170,10 @@ def _site_bounds(site: AttentionSite, graph: CapturedGraph, kinds: ValueKinds,
     for node in upstream(reads):
         value = inputs[position[node]] if node in position else None
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
-            wanted[position[node]] = _checkpoint_name(value, names, reader, node.name)
-    tensors = reader.read(wanted.values())
+            wanted[position[node]] = _checkpoint_name(value, names, keys, node.name)
+    tensors = keys.read(wanted.values())
     for i, name in wanted.items():
-        inputs[i] = _as_parameter(tensors[name], inputs[i], name, reader)
+        inputs[i] = _as_parameter(tensors[name], inputs[i], name, keys)
     evaluator = ParamEvaluator(graph.gm, inputs, kinds)
 
     def resolve(node_name: str) -> torch.Tensor:
@@ -201,18 +210,19 @@ def _bounds_by_head_chunks(site: AttentionSite, resolve) -> dict[str, torch.Tens
 
 
 def _checkpoint_name(value: torch.Tensor, names: dict[int, list[str]],
-                     reader: CheckpointReader, node: str) -> str:
+                     keys: CheckpointKeys, node: str) -> str:
     candidates = names.get(id(value))
     if not candidates:
         raise ValueError(f"export_kv_scales: graph input {node!r} is on the meta device but "
                          "is no parameter or buffer of the model")
-    return next((n for n in candidates if n in reader), candidates[0])
+    return next((n for n in candidates if n in keys), candidates[0])
 
 
 def _as_parameter(tensor: torch.Tensor, meta: torch.Tensor, name: str,
-                  reader: CheckpointReader) -> torch.Tensor:
+                  keys: CheckpointKeys) -> torch.Tensor:
     if tuple(tensor.shape) != tuple(meta.shape):
-        raise ValueError(f"checkpoint tensor {name!r} in {reader.file_of(name)} has shape "
+        loaded_as = "" if keys.stored_names(name) == [name] else f" (loaded as {name!r})"
+        raise ValueError(f"checkpoint tensor {keys.describe(name)}{loaded_as} has shape "
                          f"{tuple(tensor.shape)}; the model built from config.json expects "
                          f"{tuple(meta.shape)}")
     return tensor.to(meta.dtype)          # from_pretrained casts to the model's dtype
