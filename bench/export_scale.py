@@ -14,12 +14,12 @@ The checkpoint's pages are dropped from the page cache before each run
 times (default 3): the peak varies between runs of the same command, so the largest (and the
 smallest) is reported, with the median times.
 
-Rows: the streamed export (``geoscale export-kv-scales DIR --out OUT``, traced on meta) at
+Rows: the streamed export (``geoscale export-kv-scales DIR --out OUT``, traced weightless) at
 ``--layers`` and at ``--compare-layers`` (default 2); the in-memory export
 (``from_pretrained`` + ``export_kv_scales(model, ...)``, the route the CLI took before) at
 ``--compare-layers``, with whether the two wrote bit-identical scales and config. Below the
 shape's full depth, the streamed peak and time are extrapolated linearly in the layer count
-from the two streamed runs, and the meta trace alone is measured at full depth (no weights).
+from the two streamed runs, and the trace alone is measured at full depth (no weights).
 Not a unit test: it writes ``~2 GB`` per 8B layer pair and takes minutes.
 """
 from __future__ import annotations
@@ -199,15 +199,12 @@ export_kv_scales(model, sys.argv[2], input_ids=ids)
 """
 
 _TRACE_ONLY = """
-import sys, torch
-from geoscale_fx.capture import capture_graphs
+import sys
 from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx.checkpoint_scales import TRACE_LEN, meta_model
+from geoscale_fx.checkpoint_scales import meta_model, traced_graphs
 from geoscale_fx.passes.analyze import analyze_graph
 model = meta_model(sys.argv[1], CheckpointReader(sys.argv[1]))
-ids = torch.zeros((1, TRACE_LEN), dtype=torch.long, device="meta")
-with torch.no_grad():
-    graphs = capture_graphs(model, input_ids=ids, use_cache=False)
+graphs = traced_graphs(model)
 sites = [s for i, g in enumerate(graphs)
          for s in analyze_graph(g.gm, g.example_inputs, graph_index=i)]
 assert len(sites) == model.config.num_hidden_layers and all(s.supported for s in sites)
@@ -221,7 +218,7 @@ def in_memory(ckpt: Path, out: Path, work: Path) -> Run:
 
 
 def trace_only(config, work: Path) -> Run:
-    """The meta trace and analysis at full depth: config.json and an empty index only."""
+    """The weightless trace and analysis at full depth: config.json and an empty index only."""
     directory = work / "config-only"
     directory.mkdir(exist_ok=True)
     config.save_pretrained(directory)
@@ -288,14 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         ref = repeated(lambda: in_memory(ckpts[n], work / f"in-memory-{n}", work), args.repeat)
         same = identical(work / f"streamed-{n}", work / f"in-memory-{n}")
         for m in counts:
-            rows.append(_row("streamed (meta trace)", m, sizes[m], runs[m],
+            rows.append(_row("streamed (weightless trace)", m, sizes[m], runs[m],
                              ("yes" if same else "NO") if m == n else ""))
         rows.append(_row("in memory (from_pretrained)", n, sizes[n], ref,
                          "yes" if same else "NO"))
         if layers < full and len(counts) == 2:
             rows += _extrapolated(counts, runs, full, checkpoint_bytes(llama_config(
                 args.shape, full)))
-            rows.append(_row("meta trace + analysis only", full, 0, trace_only(
+            rows.append(_row("trace + analysis only", full, 0, trace_only(
                 llama_config(args.shape, full), work)))
     finally:
         shutil.rmtree(work, ignore_errors=True)

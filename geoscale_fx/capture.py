@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule
@@ -37,12 +37,15 @@ class CapturedGraph:
 
 
 def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = False,
+                   graph_mode: Callable[[], contextlib.AbstractContextManager] | None = None,
                    **kwargs) -> list[CapturedGraph]:
     """Run ``torch.compile(model, backend=<recorder>, dynamic=dynamic)(*args, **kwargs)`` once.
 
     The recorder returns each graph's own ``forward``, so the call executes exactly as
     Dynamo would execute it; ``model`` is not modified and no graph break is added. Shapes
     are static by default, so a capture does not depend on earlier captures' shapes.
+    ``graph_mode()``, if given, is entered around each run of a captured graph (a dispatch
+    mode cannot be active while Dynamo compiles: ``weightless.ConstantProducts``).
     """
     captured: list[CapturedGraph] = []
     # what the recorder reads, emptied once the capture ran: Dynamo keeps every backend it
@@ -56,7 +59,14 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
         attach_model(gm, root if root is not None else frame_root(gm))
         graph_names(gm, example_inputs).annotate(gm)     # ``parameter_name`` of its inputs
         box["captured"].append(CapturedGraph(gm, list(example_inputs)))
-        return gm.forward
+        if graph_mode is None:
+            return gm.forward
+        forward = gm.forward
+
+        def run(*inputs):
+            with graph_mode():
+                return forward(*inputs)
+        return run
 
     # the code Dynamo compiles is a fresh copy (the function, or the module's forward): this
     # capture's cache entries never count against (or hit) the recompile limit of other

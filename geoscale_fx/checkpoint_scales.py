@@ -1,27 +1,33 @@
-"""Per-layer q/k/v bounds of a saved checkpoint, traced on the meta device, weights streamed.
+"""Per-layer q/k/v bounds of a saved checkpoint, traced without weights, weights streamed.
 
 ``export_kv_scales("ckpt")`` must work for checkpoints bigger than memory, so the model is
 never loaded:
 
-1. **Trace on meta.** ``AutoModelForCausalLM.from_config(config.json)`` under
+1. **Build on meta.** ``AutoModelForCausalLM.from_config(config.json)`` under
    ``torch.device("meta")`` (parameters without storage, in the dtype ``from_pretrained``
-   would pick: ``config.json``'s, else the stored one), traced once by ``capture_graphs`` and
-   analysed by ``analyze_graph`` with meta ``input_ids`` — the analysis reads shapes and
-   use-def chains, not values. Buffers the trace may evaluate are made real first, as
+   would pick: ``config.json``'s, else the stored one). Buffers are made real as
    ``from_pretrained`` makes them: non-persistent ones (rotary ``inv_freq``) by the model's
    own ``_init_weights``, persistent ones read from the checkpoint (under its names for
    them, as below).
-2. **Read what each bound reads.** Per attention site, the graph nodes its q/k/v bounds read
+2. **Trace on the CPU, weights 0** (``traced_graphs``). Every parameter (and a buffer
+   without an initializer) stands in as one stored zero of its shape and dtype
+   (``weightless``), and the model is traced once by ``capture_graphs`` on token ids, as
+   an in-memory model is: same device for everything, values for what the forward reads
+   (``.item()``, ``nonzero``, an MoE router), and CPU rotary tables and masks for the
+   analysis to evaluate. The graphs' weight inputs are then put back to the meta
+   parameters, and ``analyze_graph`` runs on them: no weight value is seen before it is
+   read below.
+3. **Read what each bound reads.** Per attention site, the graph nodes its q/k/v bounds read
    (``AttentionSite.operand_nodes``: projection weights, biases, input-norm and QK-norm
    gains) are followed back to the graph's parameter placeholders; each placeholder's
    example value *is* a model parameter. Those tensors alone are read, under the names the
    checkpoint holds them by (``CheckpointKeys``: transformers' own load-time renamings and
    converters; a missing or non-finite one is a ``ValueError`` naming it and its file),
-   substituted for the meta parameters, the bounds
-   evaluated (``amax.site_amax_bounds``; the query heads a chunk at a time, see
-   ``_bounds_by_head_chunks``), and the tensors dropped before the next site.
+   substituted for the meta parameters, the bounds evaluated (``amax.site_amax_bounds``;
+   the query heads a chunk at a time, see ``_bounds_by_head_chunks``), and the tensors
+   dropped before the next site.
 
-Peak memory is the meta trace (about 0.5 GB with torch and transformers) plus one layer's
+Peak memory is the trace (about 0.5 GB with torch and transformers) plus one layer's
 q/k/v tensors and their float64 per-head copies: 0.9 to 1.3 GB measured for Llama-3.1-8B and
 -70B shapes (``python -m bench.export_scale``). The bounds are bit-identical to those of
 ``WeightKVScales`` on ``from_pretrained(ckpt)``: same graph, same tensors (cast to the
@@ -47,18 +53,20 @@ from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
+from geoscale_fx.hf_configs import token_inputs
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, upstream
 from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.weightless import ConstantProducts, weightless
 
-__all__ = ["checkpoint_layer_scales", "meta_model"]
+__all__ = ["checkpoint_layer_scales", "meta_model", "traced_graphs"]
 
 log = logging.getLogger("geoscale_fx")
 
-#: tokens of the meta trace (static shapes; the bounds do not depend on it)
+#: tokens of the trace (static shapes; the bounds do not depend on it)
 TRACE_LEN = 8
 #: float64 bytes of one chunk of query heads' ``A_h`` (see ``_bounds_by_head_chunks``)
 HEAD_CHUNK_BYTES = 128 << 20
@@ -110,14 +118,26 @@ def _materialize_buffers(model: nn.Module, keys: CheckpointKeys) -> None:
                      name)
 
 
+def traced_graphs(model: nn.Module) -> list[CapturedGraph]:
+    """The model's graphs, traced on the CPU with its weights 0 (``weightless``) on token
+    ids as ``hf_configs.token_inputs`` makes them, their weight inputs then put back to the
+    meta tensors: the analysis sees real ids, real buffers and the constants the forward
+    makes (rotary tables, masks) on the CPU, as on an in-memory model, and no weight value
+    (none is read before ``_site_bounds`` reads it)."""
+    with weightless(model) as originals, torch.no_grad():
+        inputs = token_inputs(model, seq_len=TRACE_LEN)
+        graphs = capture_graphs(model, graph_mode=ConstantProducts, **inputs)
+    for graph in graphs:
+        graph.example_inputs = [originals.get(id(v), v) for v in graph.example_inputs]
+    return graphs
+
+
 def checkpoint_layer_scales(directory: Union[str, os.PathLike]
                             ) -> tuple[nn.Module, list[LayerScales]]:
     """``(meta model, per-layer bounds in layer order)`` of a saved checkpoint."""
     reader = CheckpointReader(directory)
     model, keys = _meta_model(directory, reader)
-    ids = torch.zeros((1, TRACE_LEN), dtype=torch.long, device="meta")
-    with torch.no_grad():      # as export_kv_scales traces an in-memory model
-        graphs = capture_graphs(model, input_ids=ids, use_cache=False)
+    graphs = traced_graphs(model)
     found = []                             # (graph, its value kinds, site)
     for index, graph in enumerate(graphs):
         kinds = ValueKinds(graph.gm.graph, graph.example_inputs)

@@ -66,7 +66,7 @@ def _export_kv_scales(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     options = dict(strategy=args.strategy, include_q=not args.no_q)
     try:
-        if os.path.isdir(args.model):     # traced on meta, weights streamed layer by layer
+        if os.path.isdir(args.model):     # traced weightless, weights streamed layer by layer
             export = export_kv_scales(args.model, args.out, **options)
         else:
             if args.out is None:
@@ -103,7 +103,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="FP8 KV-cache scales from the weights, as a compressed-tensors "
                             "checkpoint (vLLM, SGLang) holds them")
     e.add_argument("model", help="a saved Hugging Face model directory (never loaded: traced "
-                                 "on the meta device, only the attention weights read, layer "
+                                 "without its weights, only the attention weights read, layer "
                                  "by layer; the scales are merged into it unless --out), a "
                                  "models_zoo name or package.module:function")
     e.add_argument("--out", help="output directory (default: the model directory)")
@@ -111,7 +111,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="one scale per layer (default) or one per head (attn_head)")
     e.add_argument("--seq-len", type=int, default=8,
                    help="length of the example prompt traced once (default 8; a saved "
-                        "directory is traced on the meta device with 8 tokens)")
+                        "directory is traced without its weights on 8 tokens)")
     e.add_argument("--size", choices=("small", "full"), default="small",
                    help="models_zoo paper architectures: scaled-down or full size")
     e.add_argument("--no-q", action="store_true", help="write k_scale/v_scale only")

@@ -35,10 +35,11 @@ Two routes to the same bounds:
   with the example call, bounded from its parameters (``WeightKVScales``).
 * **A checkpoint directory** (``export_kv_scales("ckpt")``, what ``geoscale
   export-kv-scales ckpt`` runs): for checkpoints bigger than memory. The model is built from
-  ``config.json`` on the meta device and traced there; each attention's q/k/v projections,
-  biases and norm gains — the tensors its analysis names, nothing found by name — are read
-  with ``safetensors.safe_open``, one layer at a time, and dropped after
-  (``geoscale_fx.checkpoint_scales``). A tensor among them that is missing or not finite is a
+  ``config.json`` on the meta device and traced with its weights standing in as one stored
+  zero each (``geoscale_fx.weightless``); each attention's q/k/v projections, biases and
+  norm gains — the tensors its analysis names, nothing found by name — are read with
+  ``safetensors.safe_open``, under the names transformers loads them from, one layer at a
+  time, and dropped after (``geoscale_fx.checkpoint_scales``). A tensor among them that is missing or not finite is a
   ``ValueError`` naming it and its file, and nothing is written. The scales are
   bit-identical to the first route on ``from_pretrained("ckpt")``.
 
@@ -215,7 +216,7 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
     * an ``nn.Module``: ``example_inputs``/``example_kwargs`` are one call of it, traced once
       to find its attention (the scales do not depend on them); ``out_dir`` is required;
     * a saved Hugging Face checkpoint directory (safetensors, sharded or not): the model is
-      traced on the meta device and only the tensors the bounds read are read, one layer
+      traced without its weights and only the tensors the bounds read are read, one layer
       at a time (``geoscale_fx.checkpoint_scales``), so a checkpoint bigger than memory
       works; no example inputs; ``out_dir`` defaults to the directory (merged into it). A
       missing or non-finite tensor among those read is a ``ValueError`` naming it.
@@ -226,8 +227,8 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
     options = KVExportOptions(strategy=strategy, fmt=fmt, include_q=include_q)
     if isinstance(model, (str, os.PathLike)):
         if example_inputs or example_kwargs:
-            raise ValueError("export_kv_scales: a checkpoint directory is traced on the meta "
-                             "device with its own example ids; example inputs are for an "
+            raise ValueError("export_kv_scales: a checkpoint directory is traced without its "
+                             "weights on its own example ids; example inputs are for an "
                              "in-memory model")
         out_dir = model if out_dir is None else out_dir
         model, layers = checkpoint_layer_scales(model)

@@ -63,7 +63,8 @@ LAYERS = {
     # entry points, and the readers only they use
     "wrapper": ENTRY, "conversion": ENTRY, "blocks": ENTRY, "serialization": ENTRY,
     "checkpoint": ENTRY, "calibration": ENTRY, "serving_scales": ENTRY, "export": ENTRY,
-    "checkpoint_scales": ENTRY, "checkpoint_reader": ENTRY, "checkpoint_keys": ENTRY, "hf_configs": ENTRY,
+    "checkpoint_scales": ENTRY, "checkpoint_reader": ENTRY, "checkpoint_keys": ENTRY,
+    "weightless": ENTRY, "hf_configs": ENTRY,
     "hf_config_shrinker": ENTRY,
     "inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
 }

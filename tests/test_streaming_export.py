@@ -1,4 +1,4 @@
-"""``export_kv_scales(<checkpoint directory>)``: traced on the meta device, weights streamed.
+"""``export_kv_scales(<checkpoint directory>)``: traced without weights, weights streamed.
 
 The reference is the in-memory route on the same checkpoint loaded by Hugging Face
 (``from_pretrained``): the streamed scales and config must equal it bit for bit, on sharded
