@@ -5,10 +5,10 @@ never loaded:
 
 1. **Build on meta.** ``AutoModelForCausalLM.from_config(config.json)`` under
    ``torch.device("meta")`` (parameters without storage, in the dtype ``from_pretrained``
-   would pick: ``config.json``'s, else the stored one). Buffers are made real as
-   ``from_pretrained`` makes them: non-persistent ones (rotary ``inv_freq``) by the model's
-   own ``_init_weights``, persistent ones read from the checkpoint (under its names for
-   them, as below).
+   would pick: ``config.json``'s, else the stored one). Buffers and parameters that do
+   not require grad (fixed tables) are made real as ``from_pretrained`` makes them: read
+   from the checkpoint where it holds them, else by the model's own ``_init_weights``
+   (rotary ``inv_freq``).
 2. **Trace on the CPU, weights 0** (``traced_graphs``). Every parameter (and a buffer
    without an initializer) stands in as one stored zero of its shape and dtype
    (``weightless``), and the model is traced once by ``capture_graphs`` on token ids, as
@@ -86,36 +86,75 @@ def _meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     keys = CheckpointKeys(model, reader)
-    _materialize_buffers(model, keys)
+    _materialize_state(model, keys)
     return model, keys
 
 
-def _materialize_buffers(model: nn.Module, keys: CheckpointKeys) -> None:
-    initialize = []
-    for name, buffer in list(model.named_buffers()):
-        if buffer.device.type != "meta":
-            continue
-        path, _, attr = name.rpartition(".")
-        owner = model.get_submodule(path)
-        if attr not in owner._non_persistent_buffers_set:
-            if name in keys:                      # state, saved with the weights
-                value = keys.read([name], finite=False)[name]
-                setattr(owner, attr, value.to(buffer.dtype))
-            continue
-        fill = math.nan if buffer.is_floating_point() else 0
-        setattr(owner, attr, torch.full(buffer.shape, fill, dtype=buffer.dtype))
-        initialize.append((name, owner, attr))
-    init = getattr(model, "_init_weights", None)
-    for owner in dict.fromkeys(owner for _, owner, _ in initialize):
-        if init is not None:
-            init(owner)       # what from_pretrained runs on buffers the checkpoint lacks
-    for name, owner, attr in initialize:
-        value = getattr(owner, attr)
-        if value.is_floating_point() and bool(value.isnan().any()):
-            setattr(owner, attr, value.to("meta"))
-            log.info("geoscale: export_kv_scales: buffer %s has no initializer; left on the "
-                     "meta device (an analysis that needs its values treats it as unknown)",
-                     name)
+def _materialize_state(model: nn.Module, keys: CheckpointKeys) -> None:
+    """The model's state that is no trained weight made real, as ``from_pretrained`` makes
+    it: buffers, and parameters that do not require grad (fixed tables: RoFormer's
+    sinusoid positions), each read from the checkpoint where it holds it (then flagged
+    ``_is_hf_initialized``, as loading flags it, so that no initializer overwrites it), else
+    made by the model's own ``_init_weights`` (rotary ``inv_freq``). One that neither gives
+    stays on the meta device: the trace stands it in with zeros and the analysis treats it
+    as unknown. Tied tensors are made once and stay tied."""
+    names = _parameter_names(model)
+    holders: dict[int, list[tuple[nn.Module, dict, str]]] = {}
+    for module in model.modules():
+        for table in (module._buffers, module._parameters):
+            for attr, value in table.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "meta" and not (
+                        table is module._parameters and value.requires_grad):
+                    holders.setdefault(id(value), []).append((module, table, attr))
+    pending = []                                     # (tensor id, meta tensor)
+    for key, held in holders.items():
+        module, table, attr = held[0]
+        meta = table[attr]
+        stored = next((n for n in names[key] if n in keys), None)
+        if stored is not None:
+            real = keys.read([stored], finite=False)[stored].to(meta.dtype)
+            real._is_hf_initialized = True
+        else:
+            fill = math.nan if meta.is_floating_point() else 0
+            real = torch.full(meta.shape, fill, dtype=meta.dtype)
+            pending.append((key, meta))
+        _put(held, nn.Parameter(real, requires_grad=False)
+             if isinstance(meta, nn.Parameter) else real)
+    inits = _initializers(model)
+    for module in dict.fromkeys(m for key, _ in pending for m, *_ in holders[key]):
+        if inits.get(module) is not None:
+            inits[module](module)  # what from_pretrained runs on state the checkpoint lacks
+    for key, meta in pending:
+        module, table, attr = holders[key][0]
+        if table[attr].is_floating_point() and bool(table[attr].isnan().any()):
+            _put(holders[key], meta)
+            log.info("geoscale: export_kv_scales: %s has no initializer and is not in the "
+                     "checkpoint; left on the meta device (an analysis that needs its "
+                     "values treats it as unknown)", names[key][0])
+
+
+def _put(holders: list[tuple[nn.Module, dict, str]], value: torch.Tensor) -> None:
+    for _, table, attr in holders:
+        table[attr] = value
+
+
+def _initializers(model: nn.Module) -> dict[nn.Module, object]:
+    """Module -> the ``_init_weights`` that ``from_pretrained`` runs on it: that of the
+    innermost Hugging Face model holding it, itself included (a composite model's parts are
+    initialized by their own class: Gemma3n's text model reads its own ``hidden_size``)."""
+    from transformers import PreTrainedModel
+
+    out: dict[nn.Module, object] = {}
+
+    def visit(module: nn.Module, init) -> None:
+        if isinstance(module, PreTrainedModel):
+            init = module._init_weights
+        out[module] = init
+        for child in module.children():
+            visit(child, init)
+
+    visit(model, None)
+    return out
 
 
 def traced_graphs(model: nn.Module) -> list[CapturedGraph]:
