@@ -3,7 +3,8 @@
 ``export_kv_scales("ckpt")`` must work for checkpoints bigger than memory, so the model is
 never loaded:
 
-1. **Build on meta.** ``AutoModelForCausalLM.from_config(config.json)`` under
+1. **Build on meta.** ``AutoModelForCausalLM.from_config(config.json)`` (or the class
+   its ``architectures`` name, ``hf_configs.causal_lm_class``) under
    ``torch.device("meta")`` (parameters without storage, in the dtype ``from_pretrained``
    would pick: ``config.json``'s, else the stored one). Buffers and parameters that do
    not require grad (fixed tables) are made real as ``from_pretrained`` makes them: read
@@ -53,7 +54,7 @@ from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx.hf_configs import token_inputs
+from geoscale_fx.hf_configs import causal_lm_class, token_inputs
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.dtensor import to_local
@@ -79,12 +80,14 @@ def meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader) -> 
 
 def _meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader
                 ) -> tuple[nn.Module, CheckpointKeys]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(directory)
     dtype = getattr(config, "dtype", None) or reader.floating_dtype()
+    cls = causal_lm_class(config)
+    build = getattr(cls, "from_config", None) or cls._from_config     # Auto class or not
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = build(config, dtype=dtype).eval()
     keys = CheckpointKeys(model, reader)
     _materialize_state(model, keys)
     return model, keys

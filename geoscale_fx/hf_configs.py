@@ -24,8 +24,8 @@ import torch
 
 from geoscale_fx.hf_config_shrinker import shrink_config
 
-__all__ = ["tiny_config", "causal_lm_types", "auto_model_class", "model_from_config",
-           "tiny_model", "token_inputs"]
+__all__ = ["tiny_config", "causal_lm_types", "auto_model_class", "causal_lm_class",
+           "model_from_config", "tiny_model", "token_inputs"]
 
 
 def tiny_config(model_type: str, *, per_kind: int = 1, **overrides):
@@ -76,6 +76,28 @@ def auto_model_class(config):
     causal = (saved in causal_lms.values() if saved is not None
               else config.model_type in causal_lms)
     return transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+
+
+def causal_lm_class(config):
+    """The class a saved causal LM with ``config`` is built with: ``AutoModelForCausalLM``
+    when it maps the config's class, else the transformers class ``config.architectures``
+    names (what serving engines read; Emu3's and Mllama's text models are saved with a text
+    config that the auto class does not map). ``ValueError`` naming the model type if
+    neither gives one."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM
+    named = [getattr(transformers, name, None) for name in (
+        getattr(config, "architectures", None) or [])]
+    for cls in named:
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    raise ValueError(f"model type {config.model_type!r} ({type(config).__name__}): "
+                     "AutoModelForCausalLM has no class for it and config.json's "
+                     f"architectures {getattr(config, 'architectures', None)} name no "
+                     f"transformers {transformers.__version__} model")
 
 
 def model_from_config(config, *, device: str | torch.device = "cpu",

@@ -75,6 +75,22 @@ def test_auto_model_class_follows_the_saved_architecture():
     assert hf_configs.auto_model_class(transformers.T5Config()) is transformers.AutoModel
 
 
+def test_causal_lm_class_is_the_auto_class_else_the_saved_architecture():
+    """Emu3's and Mllama's causal LMs are saved with text configs (``emu3_text_model``,
+    ``mllama_text_model``) that ``AutoModelForCausalLM`` does not map: their
+    ``architectures`` name the class. Neither: a ValueError naming the model type."""
+    assert hf_configs.causal_lm_class(transformers.LlamaConfig()) is \
+        transformers.AutoModelForCausalLM
+    text = transformers.Emu3TextConfig(architectures=["Emu3ForCausalLM"])
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_config(text)
+    assert hf_configs.causal_lm_class(text) is transformers.Emu3ForCausalLM
+    text.architectures = ["NoSuchModel"]
+    with pytest.raises(ValueError, match=r"'emu3_text_model' \(Emu3TextConfig\): "
+                                         r"AutoModelForCausalLM has no class for it"):
+        hf_configs.causal_lm_class(text)
+
+
 def test_causal_lm_types_name_the_causal_lm_classes():
     types = hf_configs.causal_lm_types()
     assert types["llama"] == "LlamaForCausalLM" and types["gpt2"] == "GPT2LMHeadModel"
