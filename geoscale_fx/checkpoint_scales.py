@@ -165,13 +165,28 @@ def traced_graphs(model: nn.Module) -> list[CapturedGraph]:
     ids as ``hf_configs.token_inputs`` makes them, their weight inputs then put back to the
     meta tensors: the analysis sees real ids, real buffers and the constants the forward
     makes (rotary tables, masks) on the CPU, as on an in-memory model, and no weight value
-    (none is read before ``_site_bounds`` reads it)."""
+    (none is read before ``_site_bounds`` reads it). A forward that fails so (it needs more
+    than token ids, or writes into its weights) is a ``ValueError`` naming the model and
+    the failure."""
     with weightless(model) as originals, torch.no_grad():
         inputs = token_inputs(model, seq_len=TRACE_LEN)
-        graphs = capture_graphs(model, graph_mode=ConstantProducts, **inputs)
+        try:
+            graphs = capture_graphs(model, graph_mode=ConstantProducts, **inputs)
+        except Exception as exc:
+            shape = tuple(inputs["input_ids"].shape)
+            raise ValueError(f"export_kv_scales: {type(model).__name__} fails on token ids "
+                             f"alone (input_ids {shape}) with its weights standing in as "
+                             "zeros, so its attention cannot be traced without loading it "
+                             "(export_kv_scales(model, out_dir, ids) traces a loaded model): "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
     for graph in graphs:
         graph.example_inputs = [originals.get(id(v), v) for v in graph.example_inputs]
     return graphs
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def checkpoint_layer_scales(directory: Union[str, os.PathLike]
