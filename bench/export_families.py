@@ -105,23 +105,31 @@ def _export(target, out: Path, **kwargs):
 
 
 @contextmanager
-def _watch_cache_updates(site_modules: dict[str, torch.nn.Module]):
+def _watch_cache_updates(model: torch.nn.Module, sites: list[str]):
     """Records every ``Cache.update(keys, values, layer_idx)`` as ``(layer_idx, site, keys
-    amax per head, values amax per head)``, ``site`` being the innermost exported attention
-    module running at the time (None: none was)."""
+    amax per head, values amax per head)``: ``site`` is the exported site that the innermost
+    running module holding exactly one of ``sites`` (itself or below it) holds — the module
+    that wrote the cache, whether the site is it (``self_attn``) or one of its parts
+    (CPM-Ant's ``softmax``) — or None if no running module holds one."""
     from transformers.cache_utils import Cache
 
     running: list[str] = []
     records: list[tuple] = []
     original = Cache.update
 
+    def writer() -> str | None:
+        for name in reversed(running):
+            held = [s for s in sites if s == name or s.startswith(f"{name}.") or not name]
+            if held:
+                return held[0] if len(held) == 1 else None
+        return None
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        records.append((layer_idx, running[-1] if running else None,
-                        _head_amax(key_states), _head_amax(value_states)))
+        records.append((layer_idx, writer(), _head_amax(key_states), _head_amax(value_states)))
         return original(self, key_states, value_states, layer_idx, *args, **kwargs)
 
     handles = []
-    for name, module in site_modules.items():
+    for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(
             lambda m, a, name=name: running.append(name)))
         handles.append(module.register_forward_hook(lambda m, a, o: running.pop() and None))
@@ -147,11 +155,15 @@ def _head_amax(x) -> torch.Tensor | None:
 def _forward_with_cache(model, ids: torch.Tensor):
     """One forward on ``ids (B, T)`` with a ``DynamicCache`` (the model's own cache where
     it refuses one); the cache it filled."""
+    import warnings
+
     from transformers import DynamicCache
 
     try:
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        with warnings.catch_warnings():      # 5.x renames it ``cache``; not every model yet
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated")
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
     except Exception as exc:  # noqa: BLE001 — then the model's own cache class
         if isinstance(exc, _FamilyTimeout):
             raise
@@ -160,7 +172,7 @@ def _forward_with_cache(model, ids: torch.Tensor):
 
 
 @torch.no_grad()
-def cached_amax(model, site_modules: dict[str, torch.nn.Module], prompts: list[torch.Tensor]
+def cached_amax(model, sites: list[str], prompts: list[torch.Tensor]
                 ) -> tuple[dict[int, dict], list[str]]:
     """Per cache layer, over ``prompts``: ``{"sites": the modules that wrote it, "k": amax
     per head, "v": amax per head}`` from the watched updates and the cache's layers after
@@ -180,7 +192,7 @@ def cached_amax(model, site_modules: dict[str, torch.nn.Module], prompts: list[t
                 else torch.maximum(old, value)
 
     for ids in prompts:
-        with _watch_cache_updates(site_modules) as records:
+        with _watch_cache_updates(model, sites) as records:
             cache = _forward_with_cache(model, ids)
         for index, site, k, v in records:
             merge(index, site, k, v)
@@ -236,14 +248,21 @@ def _same_scales(a, b) -> bool:
         torch.equal(a.tensors[n], t) for n, t in b.tensors.items())
 
 
+def _load(ckpt: Path, **kwargs):
+    """``from_pretrained`` with the class the streamed route builds (``causal_lm_class``)."""
+    from transformers import AutoConfig
+
+    from geoscale_fx.hf_configs import causal_lm_class
+
+    cls = causal_lm_class(AutoConfig.from_pretrained(ckpt))
+    return cls.from_pretrained(ckpt, **kwargs).eval()
+
+
 def _check_cache(row: dict, ckpt: Path, export) -> None:
     """Fill the cache columns of ``row`` from the model loaded from ``ckpt``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
+    model = _load(ckpt, attn_implementation="eager")
     sites = sorted({n.rsplit(".", 1)[0] for n in export.tensors})
-    modules = {s: model.get_submodule(s) for s in sites}
-    layers, notes = cached_amax(model, modules, _prompts(model))
+    layers, notes = cached_amax(model, sites, _prompts(model))
     ratios, violations, more = compare_with_cache(export.tensors, layers)
     row.update({"layers": len(sites), "checks": len(ratios), "violations": violations,
                 "range median": statistics.median(ratios) if ratios else None,
@@ -254,8 +273,6 @@ def _check_cache(row: dict, ckpt: Path, export) -> None:
 
 
 def _run_family(row: dict, model_type: str, work: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     from geoscale_fx import hf_configs
 
     try:
@@ -268,7 +285,7 @@ def _run_family(row: dict, model_type: str, work: Path) -> None:
     del model
     row["streamed"], row["reason"], streamed = _export(ckpt, work / "streamed")
     row["reason"] = row["reason"].replace(str(ckpt), "CKPT")
-    loaded = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    loaded = _load(ckpt)
     ids = hf_configs.token_inputs(loaded, seq_len=IN_MEMORY_LEN)["input_ids"]
     row["in-memory"], row["in-memory reason"], in_memory = _export(
         loaded, work / "in-memory", input_ids=ids)
@@ -349,7 +366,7 @@ def _grouped(rows: list[dict], outcome: str) -> list[tuple[str, list[str]]]:
     groups: dict[str, list[str]] = {}
     for r in rows:
         if r["streamed"] == outcome:
-            key = r["reason"] if outcome != "violated" else "violated"
+            key = r["reason"] or r["notes"]
             groups.setdefault(_short(key, 200), []).append(r["family"])
     return sorted(groups.items(), key=lambda kv: -len(kv[1]))
 
