@@ -37,7 +37,8 @@ def minilm():
 SLOW_MODULES = {"test_bench", "test_decode", "test_cached_keys", "test_streaming_export",
                 "test_hf_workflow", "test_kv_cache", "test_bench_families", "test_calibration",
                 "test_nvfp4", "test_attention_scales", "test_restore", "test_clients",
-                "test_bench_rl", "test_memory", "test_encoder_families"}
+                "test_bench_rl", "test_memory", "test_encoder_families",
+                "test_streaming_families"}
 #: test modules that start several processes (gloo)
 DISTRIBUTED_MODULES = {"test_distributed"}
 
