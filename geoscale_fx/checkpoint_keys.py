@@ -113,7 +113,7 @@ class CheckpointKeys:
         stored = self.reader.read(direct.values(), finite)
         out = {n: stored[k] for n, k in direct.items()}
         for first in dict.fromkeys(self._producer(n) for n in names if n not in direct):
-            built = self._convert(first, finite=finite)
+            built = self._convert(first, finite)
             out.update({n: built[n] for n in names if n in built})
         return out
 
@@ -121,31 +121,46 @@ class CheckpointKeys:
         """The first target of the converter that builds ``name``, if one does."""
         if name in self._renamed or not self._converted:
             return None
-        if name in self._converted:
-            return name
-        if self._targets is None:        # converters' other targets: run them on meta once
-            self._targets = {}
-            for first in self._converted:
-                try:
-                    built = self._convert(first, meta=True)
-                except Exception as exc:  # noqa: BLE001 — its targets stay unknown, said why
-                    log.info("geoscale: checkpoint: transformers' converter for %s does not "
-                             "run on the meta device (%s: %s); its other targets are not "
-                             "read", first, type(exc).__name__, exc)
-                    continue
-                self._targets.update({t: first for t in built if t not in self._renamed})
+        if self._targets is None:
+            self._targets = self._converter_targets()
         return self._targets.get(name)
 
-    def _convert(self, first: str, meta: bool = False, finite: bool = True
-                 ) -> dict[str, torch.Tensor]:
-        """Run the converter collected under ``first`` on its stored tensors (``meta``: on
-        meta tensors of their stored shapes and dtypes: which parameters it builds)."""
+    def _converter_targets(self) -> dict[str, str]:
+        """Every parameter a converter builds -> its first target. Named as ``convert``
+        names them (its first target with the first target pattern replaced by each of
+        the others); a converter whose first pattern is not in its first target's name
+        (a regex, a count read from the config) is run on meta tensors of the stored
+        shapes instead, all such converters' headers read at once."""
+        out, unplaced = {}, []
+        for first, (converter, _) in self._converted.items():
+            patterns = converter.target_patterns
+            if patterns[0] in first:
+                prefix, _, suffix = first.partition(patterns[0])
+                out.update({prefix + p + suffix: first for p in patterns})
+            else:
+                unplaced.append(first)
+        stored = [k for first in unplaced for k, _ in self._converted[first][1]]
+        metas = self.reader.metas(stored) if stored else {}
+        for first in unplaced:
+            try:
+                built = self._convert(first, tensors=metas)
+            except Exception as exc:  # noqa: BLE001 — its targets stay unknown, said why
+                log.info("geoscale: checkpoint: transformers' converter for %s does not run "
+                         "on the meta device (%s: %s); only %s is read through it", first,
+                         type(exc).__name__, exc, first)
+                built = {first: None}
+            out.update({t: first for t in built})
+        return {t: first for t, first in out.items() if t not in self._renamed}
+
+    def _convert(self, first: str, finite: bool = True,
+                 tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Run the converter collected under ``first`` on its stored tensors (read here,
+        or ``tensors``: meta ones, to learn which parameters it builds)."""
         template, sources = self._converted[first]
         converter = copy.deepcopy(template)
         dtype = self._dtypes[first]
         keys = [k for k, _ in sources]
-        tensors = ({k: self.reader.meta(k) for k in keys} if meta
-                   else self.reader.read(keys, finite))
+        tensors = self.reader.read(keys, finite) if tensors is None else tensors
         for key, pattern in sources:
             converter.add_tensor(first, key, pattern, tensors[key].to(dtype))
         with torch.no_grad():

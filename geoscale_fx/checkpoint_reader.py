@@ -76,19 +76,26 @@ class CheckpointReader:
                     return value
         return torch.get_default_dtype()
 
-    def meta(self, name: str) -> torch.Tensor:
-        """A meta tensor of ``name``'s stored shape and dtype (its file's header; no data)."""
+    def metas(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """``{name: meta tensor of its stored shape and dtype}`` from the files' headers (no
+        data); each file opened once."""
         from safetensors import safe_open
 
-        path = self.directory / self.file_of(name)
-        with safe_open(str(path), framework="pt") as f:
-            stored = f.get_slice(name)
-            dtype = getattr(torch, _TORCH_DTYPES.get(stored.get_dtype(), ""), None)
-            shape = stored.get_shape()
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"checkpoint tensor {name!r} in {path} has dtype "
-                             f"{stored.get_dtype()}, which torch does not know here")
-        return torch.empty(shape, dtype=dtype, device="meta")
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in dict.fromkeys(names):
+            by_file[self.file_of(name)].append(name)
+        out = {}
+        for file, file_names in sorted(by_file.items()):
+            path = self.directory / file
+            with safe_open(str(path), framework="pt") as f:
+                for name in file_names:
+                    stored = f.get_slice(name)
+                    dtype = getattr(torch, _TORCH_DTYPES.get(stored.get_dtype(), ""), None)
+                    if not isinstance(dtype, torch.dtype):
+                        raise ValueError(f"checkpoint tensor {name!r} in {path} has dtype "
+                                         f"{stored.get_dtype()}, which torch does not know")
+                    out[name] = torch.empty(stored.get_shape(), dtype=dtype, device="meta")
+        return out
 
     def read(self, names: Iterable[str], finite: bool = True) -> dict[str, torch.Tensor]:
         """``{name: tensor}`` on the CPU, in the stored dtype; each shard opened once.

@@ -74,7 +74,8 @@ HEAD_CHUNK_BYTES = 128 << 20
 
 
 def meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader) -> nn.Module:
-    """The checkpoint's model on the meta device, its buffers real (see the module doc)."""
+    """The checkpoint's model on the meta device, its buffers and fixed tables real (see the
+    module doc)."""
     return _meta_model(directory, reader)[0]
 
 

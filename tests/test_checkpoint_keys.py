@@ -98,3 +98,24 @@ def test_a_parameter_stored_under_its_own_name_is_read_as_stored(tmp_path):
     assert "model.layers.9.self_attn.k_proj.weight" not in keys
     with pytest.raises(ValueError, match=r"'model.layers.9.self_attn.k_proj.weight' is missing"):
         keys.read(["model.layers.9.self_attn.k_proj.weight"])
+
+
+def test_converter_targets_named_as_its_run_on_meta_names_them(tmp_path):
+    """The parameters a converter builds are found from names (its first target with the
+    first pattern replaced by the others); running it on meta tensors of the stored
+    shapes (``CheckpointReader.metas``: headers only) names the same parameters, with the
+    shapes of the model's parameters."""
+    ckpt = _saved("hrm_text", tmp_path / "ckpt")
+    reader = CheckpointReader(ckpt)
+    model = meta_model(ckpt, reader)
+    keys = CheckpointKeys(model, reader)
+    params = dict(model.named_parameters())
+    stored = "model.L_module.layers.0.attn.gqkv_proj.weight"
+    metas = reader.metas([stored])
+    assert metas[stored].is_meta and metas[stored].shape == reader.read([stored])[stored].shape
+    first = "model.L_module.layers.0.self_attn.gate_proj.weight"
+    built = keys._convert(first, tensors=metas)
+    prefix = "model.L_module.layers.0.self_attn."
+    assert sorted(built) == sorted(prefix + f"{p}_proj.weight" for p in ("gate", "q", "k", "v"))
+    for name, t in built.items():
+        assert keys.stored_names(name) == [stored] and t.shape == params[name].shape
