@@ -188,8 +188,9 @@ def cached_amax(model, sites: list[str], prompts: list[torch.Tensor]
             if value is None:
                 continue
             old = entry[kind]
-            entry[kind] = value if old is None or old.shape != value.shape \
-                else torch.maximum(old, value)
+            if old is not None and old.shape != value.shape:   # heads differ: whole layer
+                old, value = old.max().reshape(1), value.max().reshape(1)
+            entry[kind] = value if old is None else torch.maximum(old, value)
 
     for ids in prompts:
         with _watch_cache_updates(model, sites) as records:
