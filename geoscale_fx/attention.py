@@ -10,6 +10,7 @@ training (flex_attention has no CPU backward).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -87,8 +88,27 @@ def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optiona
     # the CPU template needs contiguous inputs, and reads the query's buffer as 4-D: a decode
     # query (B = L = 1) is "contiguous" as a view of its 2-D projection, so copy it always
     q = q.clone(memory_format=torch.contiguous_format)
-    return flex_attention(q, k.contiguous(), v.contiguous(), score_mod=score_mod,
-                          block_mask=block_mask, scale=softmax_scale, enable_gqa=enable_gqa)
+    with _without_trace_metadata_mode():
+        return flex_attention(q, k.contiguous(), v.contiguous(), score_mod=score_mod,
+                              block_mask=block_mask, scale=softmax_scale, enable_gqa=enable_gqa)
+
+
+def _without_trace_metadata_mode():
+    """The trace's torch-function metadata mode (``make_fx``'s, which records
+    ``node.meta["torch_fn"]``, read by export only) set aside for the call.
+
+    Outside Dynamo — AOTAutograd tracing a rewritten graph — ``flex_attention`` compiles
+    its operator with an inner ``torch.compile``; with such a mode active, torch makes a
+    new backend for each call (it re-enters the mode around the compiled graph), so every
+    call compiled anew (0.7 s each: half of a fused graph's compile) and kept its entry
+    and graph for the process's life (the cache limit is lifted for these compiles: 10 MB
+    a converted model with an FP8 cache, ``python -m bench.memory_rounds``). Without it,
+    the inner compile uses Dynamo's eager backend, and its entries are reused by every
+    call with the same shapes, whatever the model."""
+    from torch.fx.experimental import proxy_tensor
+
+    remove = getattr(proxy_tensor, "_temp_remove_metadata_torch_function_mode", None)
+    return remove() if remove is not None else contextlib.nullcontext()
 
 
 def explicit_attention(q, k, v, attn_mask: Optional[torch.Tensor], *, softmax_scale: float,

@@ -73,11 +73,30 @@ def test_a_deleted_model_is_freed(entry):
     assert (parameter() is None, module() is None) == (True, True)
 
 
+def _flex_entries() -> int:
+    """Dynamo's entries on flex_attention's inner compile (the code of its operator's
+    wrapper), which a fused site's trace outside Dynamo compiles."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    code, = [c for c in flex_attention.__code__.co_consts
+             if getattr(c, "co_name", "") == "_flex_attention_hop_wrapper"]
+    return len(_debug_get_cache_entry_list(code))
+
+
 def test_a_deleted_model_with_an_fp8_cache_is_freed_after_generate():
-    parameter, module = _round(lambda m: geoscale_fx.apply_(m, kv_cache="fp8",
-                                                            compiler="aot_eager"), generate=True)
+    """... and later models of the same shapes add no compiled entry that outlives them:
+    the fused sites' inner flex_attention compiles are shared, not one per site and model
+    (the second model's prefill is traced with a symbolic length: one entry more)."""
+    convert = lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager")  # noqa: E731
+    parameter, module = _round(convert, generate=True)
     gc.collect()
     assert (parameter() is None, module() is None) == (True, True)
+    assert _flex_entries() >= 1          # the fused sites were traced through it
+    _round(convert, generate=True)
+    entries = _flex_entries()
+    _round(convert, generate=True)
+    assert _flex_entries() == entries
 
 
 def test_restore_frees_the_graphs_compiled_for_the_model():
