@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["BenchLM", "pretrained_lm", "minilm_lm", "QUICK_PRETRAIN_STEPS"]
+__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "minilm_lm", "QUICK_PRETRAIN_STEPS"]
 
 #: the quick profile trains its byte-level LMs for fewer, smaller steps (a separate cache
 #: entry): about a minute each on 2 cores, so a first run stays within ten minutes
@@ -47,15 +47,21 @@ def _byte_batch(data: torch.Tensor, gen: torch.Generator, batch: int, seq: int) 
     return torch.stack([data[s:s + seq] for s in start.tolist()]).long()      # (B, T)
 
 
+def quick_recipe(family: str):
+    """The quick profile's pretraining recipe for ``family`` (its checkpoints are shipped in
+    ``models_zoo/checkpoints``)."""
+    from models_zoo import pretrain
+
+    recipe = pretrain.DEFAULT_RECIPES[family]
+    return dataclasses.replace(recipe, steps=QUICK_PRETRAIN_STEPS, batch_size=QUICK_PRETRAIN_BATCH,
+                               warmup_steps=min(recipe.warmup_steps, 15))
+
+
 def pretrained_lm(family: str, profile: str = "quick") -> BenchLM:
     """A byte-level GPT-2- or Llama-style LM trained on the stdlib sources (cached)."""
     from models_zoo import pretrain
 
-    recipe = pretrain.DEFAULT_RECIPES[family]
-    if profile == "quick":
-        recipe = dataclasses.replace(recipe, steps=QUICK_PRETRAIN_STEPS,
-                                     batch_size=QUICK_PRETRAIN_BATCH,
-                                     warmup_steps=min(recipe.warmup_steps, 15))
+    recipe = quick_recipe(family) if profile == "quick" else pretrain.DEFAULT_RECIPES[family]
     model, metrics = pretrain.load_pretrained(family, recipe)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     config, cls = model.config, type(model)

@@ -311,3 +311,22 @@ def test_minilm_is_the_real_pretrained_bert():
     assert set(zoo.example_inputs()) == {"input_ids", "attention_mask"}
     with pytest.raises(ValueError, match="not a causal"):
         zoo.lm_loss(zoo.example_inputs())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_quick_profiles_checkpoints_are_shipped_and_read_without_training(
+        family, tmp_path, monkeypatch):
+    """A fresh machine (empty cache) loads the quick profile's LMs from the repository's
+    checkpoints: no pretraining in the README's first ``python -m bench``."""
+    from bench import lms
+
+    monkeypatch.setenv("GEOSCALE_CACHE", str(tmp_path))
+    monkeypatch.setattr(pretrain, "train", lambda *a, **k: pytest.fail("pretrained again"))
+    recipe = lms.quick_recipe(family)
+    data = corpus.load_stdlib_corpus(recipe.data_budget_bytes, recipe.val_every)
+    shipped = pretrain.shipped_dir(recipe, data.sha256)
+    assert shipped is not None, f"no shipped checkpoint for {family}'s quick recipe"
+    model, metrics = pretrain.load_pretrained(family, recipe)
+    assert metrics["steps"] == lms.QUICK_PRETRAIN_STEPS
+    assert metrics["val_loss"] < 0.6 * metrics["val_loss_init"]     # trained, not random
+    assert not any(tmp_path.iterdir())                              # nothing written
