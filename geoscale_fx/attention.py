@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental import proxy_tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from geoscale_fx.fp8 import fake_quantize_logits, quantize_dequantize
@@ -105,8 +106,6 @@ def _without_trace_metadata_mode():
     a converted model with an FP8 cache, ``python -m bench.memory_rounds``). Without it,
     the inner compile uses Dynamo's eager backend, and its entries are reused by every
     call with the same shapes, whatever the model."""
-    from torch.fx.experimental import proxy_tensor
-
     remove = getattr(proxy_tensor, "_temp_remove_metadata_torch_function_mode", None)
     return remove() if remove is not None else contextlib.nullcontext()
 
