@@ -14,6 +14,12 @@ most the vector's norm: ``m(ρ‖A_h‖₂ + ‖c_h‖)``. A per-position multip
 ``max|t|``, the operand's scalar gain by ``|g|``. Sides that are maps of different inputs
 added together (LoRA under adapter dropout) add their bounds; parts of the head from
 different projections (MLA) take each part's own. After a QK-norm ``A_h = diag(g)``.
+
+What a KV cache stores is bounded the same way (``cache_write_bounds``), from the sides of
+the tensors handed to ``cache.update``. An MLA layer stores ``kv_c`` after its RMSNorm,
+``g ⊙ x̂`` with ``‖x̂‖ ≤ √r``: a side with ``A = diag(g)``, so every entry is at most
+``|g_i|·√r ≤ ‖g‖_∞·√r`` (reached by a one-hot ``x̂``); and the rotated ``k_pe``, a pair
+of projection rows per rotated pair: ``ρ‖[a_i a_p]‖₂`` as for any rotated key.
 """
 from __future__ import annotations
 
@@ -22,10 +28,10 @@ from typing import Optional
 import torch
 
 from geoscale_fx import head_weights, spectral
-from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.site_model import AttentionSite, CacheWrite
 from geoscale_fx.site_terms import Side
 
-__all__ = ["side_amax", "site_amax_bounds"]
+__all__ = ["side_amax", "site_amax_bounds", "cache_write_bounds"]
 
 
 def side_amax(side: Side, resolve) -> torch.Tensor:
@@ -129,4 +135,19 @@ def site_amax_bounds(site: AttentionSite, resolve=None, roles: str = "qkv"
         raise ValueError(f"attention site {site.name!r}: the values could not be traced to "
                          f"their projection ({site.value_reason}), so v has no bound")
     out["v"] = side_amax(site.value, resolve)
+    return out
+
+
+def cache_write_bounds(write: CacheWrite, resolve=None) -> dict[str, torch.Tensor]:
+    """``{"k": (H_k,), "v": (H_v,)}`` float64 bounds on ``max |entry|`` of each stored head
+    of what ``write`` stores (``H`` the stored tensors' axis 1: one for an MLA latent).
+    ``resolve`` as in ``site_amax_bounds`` (default: the write's own resolver)."""
+    if resolve is None:
+        write.require_values()
+        resolve = write._resolve
+    out = {}
+    for role, sides, heads in (("k", write.keys, write.key_heads),
+                               ("v", write.values, write.value_heads)):
+        bound = _combined(list(sides), resolve)                       # (side heads,)
+        out[role] = bound.index_select(0, torch.tensor(heads, device=bound.device))
     return out

@@ -14,8 +14,16 @@
 * ``fp8_cache(config, layers, fmt, saturated)`` — a ``DynamicCache``/``StaticCache`` of such
   layers, each with the scales of its ``LayerScales``; ``cache_nbytes`` — what a cache holds.
 
-A layer keeps the scales it was created with: entries already stored must be dequantized with
-the scale that stored them. Example::
+* ``marked_cache_writes()`` — while it is active, ``Cache.update(keys, values, layer)`` first
+  calls ``passes.cache_writes.cache_write(keys, values, layer)``, so a traced forward holds
+  each write as a graph node whose arguments are the tensors the cache stores (the analysis
+  of what a layer caches reads them); ``cache_layer_classes`` — the layer classes of the
+  cache a config builds (which layers can hold keys and values at all).
+
+Only the cache layers some attention writes take scales (``LayerScales.layer`` is the
+``layer_idx`` of the write): a hybrid model's linear-attention and SSM layers keep their own
+states as they are. A layer keeps the scales it was created with: entries already stored
+must be dequantized with the scale that stored them. Example::
 
     counters = [torch.zeros(2, dtype=torch.int64) for _ in layers]
     cache = fp8_cache(model.config, layers, "e4m3", counters)   # layers: list[LayerScales]
@@ -23,6 +31,7 @@ the scale that stored them. Example::
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -31,8 +40,10 @@ from geoscale_fx import nvfp4
 from geoscale_fx.bounds import fp8_max
 from geoscale_fx.fp8 import NVFP4, fp8_dtype, saturating_cast
 from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.passes.cache_writes import cache_write
 
-__all__ = ["FP8Layer", "NVFP4Layer", "fp8_cache", "cache_nbytes"]
+__all__ = ["FP8Layer", "NVFP4Layer", "fp8_cache", "cache_nbytes", "marked_cache_writes",
+           "cache_layer_classes"]
 
 
 def _quantize(states: torch.Tensor, scale: torch.Tensor, fmt: str
@@ -153,18 +164,66 @@ def fp8_cache(config: Any, layers: list[LayerScales], fmt: str, saturated: list[
         cache = StaticCache(config=config, max_cache_len=max_cache_len)
     else:
         cache = DynamicCache(config=config)
-    if len(cache.layers) != len(layers):
-        raise ValueError(f"FP8 KV cache: the config has {len(cache.layers)} cache layers, the "
-                         f"model {len(layers)} attention layers")
-    for i, (layer, scales, counter) in enumerate(zip(cache.layers, layers, saturated)):
+    for i, (scales, counter) in enumerate(zip(layers, saturated)):
+        layer = cache.layers[scales.layer] if scales.layer < len(cache.layers) else None
+        if not _holds_keys(layer):
+            raise ValueError(f"FP8 KV cache: attention {scales.site!r} writes cache layer "
+                             f"{scales.layer}, but the config's cache has "
+                             f"{type(layer).__name__ if layer is not None else 'no layer'} "
+                             f"there ({len(cache.layers)} layers)")
         mixin = NVFP4Layer if fmt == NVFP4 else FP8Layer
         fp8_layer = object.__new__(_fp8_class(type(layer), mixin))   # quantized storage
         fp8_layer.__dict__.update(layer.__dict__)
         k_scale, v_scale = scales.scales(fmt)
         fp8_layer.setup_fp8(k_scale, v_scale, fmt, counter,
                             nonfinite[i] if nonfinite is not None else None)
-        cache.layers[i] = fp8_layer
+        cache.layers[scales.layer] = fp8_layer
     return cache
+
+
+def _holds_keys(layer) -> bool:
+    """A cache layer that stores keys and values (not a linear-attention state, not a
+    placeholder of a layer that stores nothing)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    return isinstance(layer, CacheLayerMixin)
+
+
+def cache_layer_classes(config: Any) -> Optional[list[str]]:
+    """Class names of the layers of ``DynamicCache(config=config)`` (``DynamicLayer``,
+    ``LinearAttentionLayer`` …), or None when the config builds no such cache."""
+    from transformers import DynamicCache
+
+    try:
+        return [type(layer).__name__ for layer in DynamicCache(config=config).layers]
+    except Exception:  # noqa: BLE001 — a config transformers cannot build a cache from
+        return None
+
+
+@contextlib.contextmanager
+def marked_cache_writes():
+    """While active, every ``Cache.update(keys, values, layer_idx)`` first calls
+    ``cache_write(keys, values, layer_idx)``: a forward traced inside holds its cache
+    writes as graph nodes (``passes.cache_writes``). Whatever cache the model uses — one it
+    builds itself included — is marked; nothing else changes. Without transformers,
+    nothing is marked."""
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:
+        yield
+        return
+    original = Cache.update
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if isinstance(key_states, torch.Tensor) and isinstance(value_states, torch.Tensor):
+            cache_write(key_states, value_states, int(layer_idx))
+        return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    Cache.update = update
+    try:
+        yield
+    finally:
+        Cache.update = original
 
 
 def cache_nbytes(cache) -> int:

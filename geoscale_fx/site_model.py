@@ -21,6 +21,10 @@ functions of the numerics modules — ``head_weights.site_term_weights(site)``,
 
 The parts a site is built from (``Rotary``, ``Source``, ``Side``, ``Term``, ``Modifier``,
 ``HeadWeights``) live in ``geoscale_fx.site_terms``.
+
+What a forward stores in its KV cache is described the same way, per write
+(``CacheWrite``, found by ``passes.cache_writes``): the stored keys and values are sides too,
+bounded by ``amax.cache_write_bounds``.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from geoscale_fx.site_terms import Modifier, Side, Term
 if TYPE_CHECKING:
     from geoscale_fx.config import GeoscaleOptions
 
-__all__ = ["AttentionSite", "ROPE_BOUNDS", "is_certified"]
+__all__ = ["AttentionSite", "CacheWrite", "ROPE_BOUNDS", "is_certified"]
 
 #: How a RoPE site's logits are bounded: "norm_product" (certified, default),
 #: "relative" (certified, exact max over relative positions) or "interaction" (the paper's
@@ -178,6 +182,51 @@ class AttentionSite:
                              f"{self.reason}")
         if self._resolve is None:
             raise ValueError(f"attention site {self.name!r} is not bound to parameter values")
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """One ``cache.update(keys, values, layer)`` of a traced forward: what the cache stores.
+
+    ``keys``/``values`` are the sides of the stored tensors ``(B, H, L, d)`` (one side per
+    projection their channels come from: ``amax`` takes the max over different channels and
+    adds maps of the same channels), ``key_heads[h]`` the side head that stored head ``h``
+    holds. For most models the stored tensors are the attention's keys and values; for MLA
+    they are the compressed latent the attention expands after the read (``latent``:
+    ``kv_c`` after its RMSNorm in the keys slot, the rotated ``k_pe`` in the values slot).
+    ``site`` names the attention that reads the layer (its module path: the scales' name);
+    ``reason`` says why the write cannot be bounded or named (then ``site`` or the sides are
+    missing).
+    """
+    layer: int                       # the cache layer written (``update``'s ``layer_idx``)
+    node: str                        # the write's graph node
+    graph: int = 0
+    module: str = ""                 # path of the module whose forward wrote it
+    site: Optional[str] = None       # the attention reading it (its sites' name)
+    keys: tuple[Side, ...] = ()
+    values: tuple[Side, ...] = ()
+    key_heads: tuple[int, ...] = ()  # per stored key head: its index among the sides' heads
+    value_heads: tuple[int, ...] = ()
+    #: the stored tensors are not the attention's keys and values (moved, never computed):
+    #: the attention computes them from what it reads (MLA's ``kv_b_proj``)
+    latent: bool = False
+    reason: str = ""
+    _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
+                                                              compare=False)
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """Every graph node the stored tensors' bounds read (weights, biases, gains)."""
+        return tuple(dict.fromkeys(n for side in (*self.keys, *self.values)
+                                   for n in side.node_names))
+
+    def require_values(self) -> None:
+        """Raise ``ValueError`` unless the write is bounded and bound to parameter values."""
+        if self.reason:
+            raise ValueError(f"cache layer {self.layer} ({self.node}): {self.reason}")
+        if self._resolve is None:
+            raise ValueError(f"cache layer {self.layer} ({self.node}) is not bound to "
+                             "parameter values")
 
 
 def is_certified(site: AttentionSite, options: Optional["GeoscaleOptions"] = None,

@@ -8,6 +8,8 @@ storage.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -127,9 +129,35 @@ def test_head_mismatches_are_refused_by_name():
     ragged = torch.zeros(1, N_KV, 2, 8)
     with pytest.raises(ValueError, match="not multiples of 16"):
         nv.update(ragged, ragged, 0)
-    with pytest.raises(ValueError, match="2 cache layers, the model 1"):
-        fp8_cache(_config(), _layers(torch.ones(2), torch.ones(2))[:1], "e4m3",
-                  [torch.zeros(2, dtype=torch.int64)])
+    beyond = replace(_layers(torch.ones(2), torch.ones(2))[0], layer=LAYERS)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' writes cache layer 2, "
+                                         r"but the config's cache has no layer there \(2 "
+                                         r"layers\)"):
+        fp8_cache(_config(), [beyond], "e4m3", [torch.zeros(2, dtype=torch.int64)])
+
+
+def test_only_the_written_layers_store_fp8_and_a_linear_attention_layer_takes_no_scale():
+    """A hybrid's cache (Qwen3-Next: ``layer_types`` linear, full): the scales of the one
+    attention layer go to cache layer 1; layer 0 keeps transformers' own
+    ``LinearAttentionLayer``; a scale aimed at it is refused by name."""
+    config = transformers.Qwen3NextConfig(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=N_KV, head_dim=HEAD_DIM,
+        intermediate_size=128, vocab_size=128)
+    full = replace(_layers(torch.tensor([8.0, 2.0]), torch.tensor([4.0, 1.0]))[1])
+    cache = fp8_cache(config, [full], "e4m3", [torch.zeros(2, dtype=torch.int64)])
+    assert type(cache.layers[0]).__name__ == "LinearAttentionLayer"
+    assert isinstance(cache.layers[1], FP8Layer)
+    keys = _states(4)
+    got, _ = cache.update(keys, keys, 1)
+    ref = torch.tensor([8.0, 2.0], dtype=torch.float64) / 448
+    scale = cache.layers[1].k_scale.double()
+    assert bool((scale >= ref).all()) and bool((scale - ref < ref * 2.0 ** -23).all())
+    assert (got - keys).abs().max() <= 2.0 ** -4 * 8.0          # one E4M3 step of head 0
+    linear = replace(full, layer=0)
+    with pytest.raises(ValueError, match="writes cache layer 0, but the config's cache has "
+                                         "LinearAttentionLayer there"):
+        fp8_cache(config, [linear], "e4m3", [torch.zeros(2, dtype=torch.int64)])
 
 
 def test_cache_nbytes_counts_one_byte_per_fp8_entry():

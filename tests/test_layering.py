@@ -51,6 +51,7 @@ LAYERS = {
     "passes.head_mapping": ANALYSIS, "passes.site_fields": ANALYSIS,
     "passes.value_side": ANALYSIS, "passes.cached_key_sites": ANALYSIS,
     "passes.traced_operands": ANALYSIS, "passes.opaque_attention": ANALYSIS,
+    "passes.cache_writes": ANALYSIS,
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
     "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "graph_cache": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
     "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,

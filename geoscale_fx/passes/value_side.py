@@ -8,30 +8,37 @@ into its weight), and returned as ``{"value": Side}`` or ``{"value_reason": why}
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from torch.fx import Node
 
 from geoscale_fx.passes.candidate import Candidate
-from geoscale_fx.passes.graph_ops import ValueKinds, matmul_operands, op_of
+from geoscale_fx.passes.graph_ops import ValueKinds, arg, matmul_operands, op_of
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.logit_terms import term_sides
 from geoscale_fx.passes.operand_sides import side_of
 from geoscale_fx.passes.provenance import head_rows, trace_operand
 from geoscale_fx.passes.replay_records import ReplayRecords
 
-__all__ = ["value_side"]
+__all__ = ["value_side", "value_operand"]
 
 
-def value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
-    """``{"value": Side}``, or ``{"value_reason": str}`` saying why there is none."""
-    node = cand.node
+def value_operand(cand: Candidate) -> Optional[Node]:
+    """SDPA's third argument, or the right operand of the explicit form's probabilities · V
+    product; None when there is no such node (an opaque attention)."""
     if cand.kind == "sdpa":
-        value = node.args[2]
+        value = arg(cand.node, 2, "value")
     else:
         pv = cand.roles.get("pv")
         value = matmul_operands(pv)[1] if pv is not None and op_of(pv) in (
             "matmul", "bmm") else None
-    if not isinstance(value, Node):
+    return value if isinstance(value, Node) else None
+
+
+def value_side(cand: Candidate, kinds: ValueKinds, evaluator, order) -> dict:
+    """``{"value": Side}``, or ``{"value_reason": str}`` saying why there is none."""
+    value = value_operand(cand)
+    if value is None:
         return {"value_reason": "no value operand found"}
     records = ReplayRecords(evaluator)
     try:
