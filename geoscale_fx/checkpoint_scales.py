@@ -18,15 +18,20 @@ never loaded:
    analysis to evaluate. The graphs' weight inputs are then put back to the meta
    parameters, and ``analyze_graph`` runs on them: no weight value is seen before it is
    read below.
-3. **Read what each bound reads.** Per attention site, the graph nodes its q/k/v bounds read
-   (``AttentionSite.operand_nodes``: projection weights, biases, input-norm and QK-norm
-   gains) are followed back to the graph's parameter placeholders; each placeholder's
-   example value *is* a model parameter. Those tensors alone are read, under the names the
-   checkpoint holds them by (``CheckpointKeys``: transformers' own load-time renamings and
-   converters; a missing or non-finite one is a ``ValueError`` naming it and its file),
-   substituted for the meta parameters, the bounds evaluated (``amax.site_amax_bounds``;
-   the query heads a chunk at a time, see ``_bounds_by_head_chunks``), and the tensors
-   dropped before the next site.
+   The trace uses the model's cache with its writes marked (``kv_cache_map.trace_kwargs``,
+   ``kv_cache_layers.marked_cache_writes``), as the in-memory route does, so the cache
+   layers — what each stores, which attention reads it — are found as there
+   (``passes.cache_writes``, ``kv_cache_map.cache_layers``).
+3. **Read what each bound reads.** Per cache layer, the graph nodes its bounds read (the
+   reading attention's query side and the stored tensors' sides: projection weights,
+   biases, input-norm and QK-norm gains) are followed back to the graph's parameter
+   placeholders; each placeholder's example value *is* a model parameter. Those tensors
+   alone are read, under the names the checkpoint holds them by (``CheckpointKeys``:
+   transformers' own load-time renamings and converters; a missing or non-finite one is a
+   ``ValueError`` naming it and its file), substituted for the meta parameters, the bounds
+   evaluated (``amax.site_amax_bounds`` for the queries, a chunk of heads at a time, see
+   ``_q_by_head_chunks``; ``amax.cache_write_bounds`` for what is stored), and the tensors
+   dropped before the next layer.
 
 Peak memory is the trace (about 0.5 GB with torch and transformers) plus one layer's
 q/k/v tensors and their float64 per-head copies: 0.9 to 1.3 GB measured for Llama-3.1-8B and
@@ -50,17 +55,20 @@ from typing import Union
 import torch
 from torch import nn
 
-from geoscale_fx.amax import site_amax_bounds
+from geoscale_fx.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.hf_configs import causal_lm_class, token_inputs
+from geoscale_fx.kv_cache_layers import marked_cache_writes
+from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, trace_kwargs
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.passes.cache_writes import cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, upstream
-from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.site_model import AttentionSite, CacheWrite
 from geoscale_fx.weightless import ConstantProducts, weightless
 
 __all__ = ["checkpoint_layer_scales", "meta_model", "traced_graphs"]
@@ -69,7 +77,7 @@ log = logging.getLogger("geoscale_fx")
 
 #: tokens of the trace (static shapes; the bounds do not depend on it)
 TRACE_LEN = 8
-#: float64 bytes of one chunk of query heads' ``A_h`` (see ``_bounds_by_head_chunks``)
+#: float64 bytes of one chunk of query heads' ``A_h`` (see ``_q_by_head_chunks``)
 HEAD_CHUNK_BYTES = 128 << 20
 
 
@@ -166,13 +174,14 @@ def traced_graphs(model: nn.Module) -> list[CapturedGraph]:
     ids as ``hf_configs.token_inputs`` makes them, their weight inputs then put back to the
     meta tensors: the analysis sees real ids, real buffers and the constants the forward
     makes (rotary tables, masks) on the CPU, as on an in-memory model, and no weight value
-    (none is read before ``_site_bounds`` reads it). A forward that fails so (it needs more
+    (none is read before ``_resolver`` reads it). A forward that fails so (it needs more
     than token ids, or writes into its weights) is a ``ValueError`` naming the model and
     the failure."""
-    with weightless(model) as originals, torch.no_grad():
+    with weightless(model) as originals, torch.no_grad(), marked_cache_writes():
         inputs = token_inputs(model, seq_len=TRACE_LEN)
         try:
-            graphs = capture_graphs(model, graph_mode=ConstantProducts, **inputs)
+            graphs = capture_graphs(model, graph_mode=ConstantProducts,
+                                    **trace_kwargs(model, inputs))
         except Exception as exc:
             shape = tuple(inputs["input_ids"].shape)
             raise ValueError(f"export_kv_scales: {type(model).__name__} fails on token ids "
@@ -192,28 +201,44 @@ def _first_line(exc: Exception) -> str:
 
 def checkpoint_layer_scales(directory: Union[str, os.PathLike]
                             ) -> tuple[nn.Module, list[LayerScales]]:
-    """``(meta model, per-layer bounds in layer order)`` of a saved checkpoint."""
+    """``(meta model, per written cache layer bounds, in layer order)`` of a saved
+    checkpoint."""
     reader = CheckpointReader(directory)
     model, keys = _meta_model(directory, reader)
     graphs = traced_graphs(model)
-    found = []                             # (graph, its value kinds, site)
+    sites, writes = [], []
     for index, graph in enumerate(graphs):
-        kinds = ValueKinds(graph.gm.graph, graph.example_inputs)
-        found += [(graph, kinds, site) for site in analyze_graph(
-            graph.gm, graph.example_inputs, graph_index=index, first_index=len(found))]
-    if not found:
+        found = analyze_graph(graph.gm, graph.example_inputs, graph_index=index,
+                              first_index=len(sites))
+        sites += found
+        if all(s.supported for s in found):
+            writes += cache_writes(graph.gm, graph.example_inputs, found, index)
+    if not sites:
         raise ValueError(f"export_kv_scales: no attention found in {type(model).__name__} "
                          f"({directory})")
-    for _, _, site in found:               # every refusal before the first tensor is read
-        _require_bounded(site)
+    for site in sites:                     # every refusal before the first tensor is read
+        _require_supported(site)
+    layers = cache_layers(model, sites, writes, "export_kv_scales")
+    for site in (s for layer in layers if not layer.writes for s in layer.sites):
+        _require_values(site)
     names = _parameter_names(model)
-    layers = []
-    for graph, kinds, site in found:
-        bounds = _site_bounds(site, graph, kinds, names, keys)
-        layers.append(_layer_scales(model, site, len(layers), bounds))
-    log.info("geoscale: export_kv_scales: %d attention layers of %s bounded from %s",
-             len(layers), type(model).__name__, directory)
-    return model, _in_layer_order(layers)
+    kinds: dict[int, ValueKinds] = {}
+    out = []
+    for layer in layers:
+        resolvers = _layer_resolvers(layer, graphs, kinds, names, keys)
+
+        def q_of(site: AttentionSite, resolvers=resolvers) -> torch.Tensor:
+            return _q_by_head_chunks(site, resolvers[site.graph])
+
+        def kv_of(part, resolvers=resolvers) -> dict:
+            if isinstance(part, CacheWrite):
+                return cache_write_bounds(part, resolvers[part.graph])
+            return site_amax_bounds(part, resolvers[part.graph], roles="kv")
+
+        out.append(layer_scales(layer, q_of, kv_of, "export_kv_scales"))
+    log.info("geoscale: export_kv_scales: %d cache layers of %s bounded from %s", len(out),
+             type(model).__name__, directory)
+    return model, out
 
 
 def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
@@ -225,24 +250,49 @@ def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return out
 
 
-def _require_bounded(site: AttentionSite) -> None:
+def _require_supported(site: AttentionSite) -> None:
     if not site.supported:
         raise ValueError(f"export_kv_scales: attention {site.name!r} cannot be bounded from "
                          f"the weights ({site.reason})")
+
+
+def _require_values(site: AttentionSite) -> None:
     if site.value is None:
         raise ValueError(f"export_kv_scales: attention {site.name!r}: the values could not be "
                          f"traced to their projection ({site.value_reason}), so v_scale "
                          "cannot be predicted")
 
 
-def _site_bounds(site: AttentionSite, graph: CapturedGraph, kinds: ValueKinds,
-                 names: dict[int, list[str]], keys: CheckpointKeys
-                 ) -> dict[str, torch.Tensor]:
-    """The site's q/k/v bounds, its tensors read from the checkpoint and dropped after."""
+def _layer_resolvers(layer: CacheLayer, graphs: list[CapturedGraph],
+                     kinds: dict[int, ValueKinds], names: dict[int, list[str]],
+                     keys: CheckpointKeys) -> dict:
+    """Per graph the layer's parts are in: a resolver of graph nodes to values, its
+    parameters read from the checkpoint (what the layer's bounds read, nothing else)."""
+    wanted: dict[int, list[str]] = {}
+    for site in layer.sites:
+        wanted.setdefault(site.graph, []).extend(
+            n for t in site.terms for n in t.q.node_names)
+        if not layer.writes:
+            wanted[site.graph].extend(site.operand_nodes)
+    for write in layer.writes:
+        wanted.setdefault(write.graph, []).extend(write.node_names)
+    out = {}
+    for index, nodes in wanted.items():
+        graph = graphs[index]
+        if index not in kinds:
+            kinds[index] = ValueKinds(graph.gm.graph, graph.example_inputs)
+        out[index] = _resolver(graph, kinds[index], names, keys, dict.fromkeys(nodes))
+    return out
+
+
+def _resolver(graph: CapturedGraph, kinds: ValueKinds, names: dict[int, list[str]],
+              keys: CheckpointKeys, node_names):
+    """Graph node name -> value, the parameters ``node_names`` are computed from read from
+    the checkpoint (and dropped with the resolver)."""
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
     by_name = {n.name: n for n in graph.gm.graph.nodes}
-    reads = [by_name[name] for name in site.operand_nodes]
+    reads = [by_name[name] for name in node_names]
     inputs = list(graph.example_inputs)
     wanted = {}                                  # placeholder index -> checkpoint name
     for node in upstream(reads):
@@ -260,11 +310,11 @@ def _site_bounds(site: AttentionSite, graph: CapturedGraph, kinds: ValueKinds,
             raise ValueError(f"graph node {node_name!r} is not a function of the parameters")
         return to_local(value)
 
-    return _bounds_by_head_chunks(site, resolve)
+    return resolve
 
 
-def _bounds_by_head_chunks(site: AttentionSite, resolve) -> dict[str, torch.Tensor]:
-    """``site_amax_bounds``, the query heads a chunk at a time.
+def _q_by_head_chunks(site: AttentionSite, resolve) -> torch.Tensor:
+    """``site_amax_bounds(site, resolve, roles="q")["q"]``, the query heads a chunk at a time.
 
     Each head's bound reads only that head's columns (``features[h]``) and the shared gains,
     and ``amax`` reduces within a head (its channels' norms, its pairs' 2×2 Gram matrices,
@@ -273,18 +323,17 @@ def _bounds_by_head_chunks(site: AttentionSite, resolve) -> dict[str, torch.Tens
     ``A: (n, d, d_h)`` at once: measured, +1.57 GB for a 70B layer's 64 query heads at once,
     +0.39 GB 16 at a time.
     """
-    bounds = site_amax_bounds(site, resolve, roles="kv")
     n_q = {t.q.n_heads for t in site.terms}
     width = max(t.q.model_dim * t.q.head_dim for t in site.terms)
     step = max(1, HEAD_CHUNK_BYTES // (8 * max(width, 1)))
     if len(n_q) != 1 or step >= min(n_q):
-        return {"q": site_amax_bounds(site, resolve, roles="q")["q"], **bounds}
+        return site_amax_bounds(site, resolve, roles="q")["q"]
     parts = []
     for start in range(0, n_q.pop(), step):
         terms = tuple(replace(t, q=replace(t.q, features=t.q.features[start:start + step]))
                       for t in site.terms)
         parts.append(site_amax_bounds(replace(site, terms=terms), resolve, roles="q")["q"])
-    return {"q": torch.cat(parts), **bounds}
+    return torch.cat(parts)
 
 
 def _checkpoint_name(value: torch.Tensor, names: dict[int, list[str]],
@@ -304,25 +353,3 @@ def _as_parameter(tensor: torch.Tensor, meta: torch.Tensor, name: str,
                          f"{tuple(tensor.shape)}; the model built from config.json expects "
                          f"{tuple(meta.shape)}")
     return tensor.to(meta.dtype)          # from_pretrained casts to the model's dtype
-
-
-def _layer_scales(model: nn.Module, site: AttentionSite, position: int,
-                  bounds: dict[str, torch.Tensor]) -> LayerScales:
-    if not all(bool(torch.isfinite(b).all()) for b in bounds.values()):
-        raise ValueError(f"export_kv_scales: attention {site.name!r}: its q/k/v bounds are "
-                         "not finite; no FP8 scale can be derived")
-    try:
-        index = getattr(model.get_submodule(site.name), "layer_idx", None)
-    except AttributeError:          # export_kv_scales refuses a site that names no module
-        index = None
-    layer = int(index) if isinstance(index, int) else position
-    return LayerScales(layer, site.name, bounds["q"], bounds["k"], bounds["v"])
-
-
-def _in_layer_order(layers: list[LayerScales]) -> list[LayerScales]:
-    layers = sorted(layers, key=lambda s: s.layer)
-    if [s.layer for s in layers] != list(range(len(layers))):
-        raise ValueError("export_kv_scales: attention layers "
-                         f"{[(s.site, s.layer) for s in layers]} do not map one to one onto "
-                         "cache layers 0..n-1")
-    return layers

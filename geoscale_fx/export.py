@@ -11,8 +11,25 @@ Serving engines (vLLM, SGLang) read static FP8 KV-cache scales from a checkpoint
   ``strategy="head"`` (compressed-tensors ``"attn_head"``): shape ``(n_kv, 1, 1)`` for k/v and
   ``(n_q, 1, 1)`` for q, ``s_h = B_h / R_max``;
 
-with ``B_h`` the bound on ``max |entry|`` of head ``h`` (float64, from the weights alone) and
-``R_max = 448`` (E4M3). A scale is a divisor, as in compressed-tensors
+with ``B_h`` the bound on ``max |entry|`` of stored head ``h`` of what the layer's cache holds
+(float64, from the weights alone; ``geoscale_fx.kv_cache_map``) and ``R_max = 448`` (E4M3).
+
+What a layer's cache holds decides the bound and the layout:
+
+* the attention's keys and values: as above;
+* a latent (MLA: DeepSeek-V2/V3, Kimi …, ``LayerScales.latent``): the keys slot holds
+  ``kv_c`` after its RMSNorm, the values slot the rotated ``k_pe``, one head each. vLLM's
+  MLA cache stores both as one entry quantized with the layer's ``k_scale``
+  (``concat_and_cache_mla(kv_c, k_pe, …, scale=k_scale)``; ``<path>.k_scale`` is remapped
+  to the ``MLAAttention`` at ``<path>.attn`` as for any attention), so ``k_scale`` and
+  ``v_scale`` are both ``max(B_kv_c, B_k_pe) / R_max``, one per layer (``(1,)``, or
+  ``(1, 1, 1)`` per head), and no ``q_scale`` is written: what an MLA kernel quantizes as
+  its query is the latent query absorbed through ``kv_b_proj``, which the q bound does not
+  bound;
+* an attention that writes several cache layers (a shared block called by several
+  layers): one set of scales, the max over them;
+* nothing (a hybrid's linear-attention and SSM layers, a layer reading another's cache):
+  no scale; ``KVScaleExport.not_cached`` names these cache layers. A scale is a divisor, as in compressed-tensors
 (``scale = amax / (bit_range / 2)``, then ``x / scale``) and in vLLM's cache write
 (``fp8(x / k_scale)``), so ``|x / s| ≤ R_max`` for every entry whatever the input. The
 float32 value is rounded *up* from float64: rounding to nearest could land one ulp under
@@ -59,7 +76,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
@@ -68,6 +85,7 @@ from torch import nn
 
 from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
+from geoscale_fx.kv_cache_layers import cache_layer_classes
 from geoscale_fx.layer_scales import LayerScales, scale_from_bound
 from geoscale_fx.weight_kv_scales import WeightKVScales
 
@@ -103,11 +121,16 @@ class KVExportOptions:
 
 @dataclass(frozen=True)
 class KVScaleExport:
-    """What was written: the tensors by checkpoint name, the config, the files."""
+    """What was written: the tensors by checkpoint name, the config, the files; and the
+    report: which cache layer each attention's scales bound, which cache layers have none
+    and why, which attentions' caches hold a latent."""
     tensors: dict[str, torch.Tensor]
     quantization_config: dict
     files: tuple[Path, ...]
     merged: bool                   # into a saved Hugging Face checkpoint in out_dir
+    cache_layers: dict[int, str] = field(default_factory=dict)   # cache layer -> attention
+    not_cached: dict[int, str] = field(default_factory=dict)     # cache layer -> why no scale
+    latent: tuple[str, ...] = ()   # attentions whose cache holds a latent (one k/v scale)
 
 
 def kv_cache_scheme(options: KVExportOptions) -> dict:
@@ -126,20 +149,55 @@ def quantization_config(options: KVExportOptions) -> dict:
 
 def scale_tensors(layers: list[LayerScales], options: KVExportOptions
                   ) -> dict[str, torch.Tensor]:
-    """``{"<site>.k_scale": ..., "<site>.v_scale": ..., "<site>.q_scale": ...}``."""
-    out = {}
+    """``{"<site>.k_scale": ..., "<site>.v_scale": ..., "<site>.q_scale": ...}``: per
+    attention, the max over the cache layers it writes; a latent cache's k and v scales are
+    one scale for the whole entry, and it has no q scale (see the module doc)."""
+    by_site: dict[str, list[LayerScales]] = {}
     for layer in layers:
-        bounds = {"k": layer.k_bound, "v": layer.v_bound}
-        if options.include_q:
-            bounds["q"] = layer.q_bound
-        for kind, bound in bounds.items():
-            scale = scale_from_bound(bound.cpu(), options.fmt)                # (heads,)
+        by_site.setdefault(layer.site, []).append(layer)
+    out = {}
+    for site, group in by_site.items():
+        bounds = {kind: _max_bound([getattr(l, f"{kind}_bound") for l in group])
+                  for kind in "kvq"}
+        latent = any(l.latent for l in group)
+        if latent:                    # one entry, one scale: the larger part's bound
+            bounds["k"] = bounds["v"] = torch.maximum(bounds["k"].max(), bounds["v"].max())
+        kinds = "kvq" if options.include_q and not latent else "kv"
+        for kind in kinds:
+            scale = scale_from_bound(bounds[kind].cpu().reshape(-1), options.fmt)  # (heads,)
             if options.strategy == "tensor":
                 scale = scale.max().reshape(1)                             # (1,)
             else:
                 scale = scale.reshape(-1, 1, 1)                            # (heads, 1, 1)
-            out[f"{layer.site}.{kind}_scale"] = scale.contiguous()
+            out[f"{site}.{kind}_scale"] = scale.contiguous()
     return out
+
+
+def _max_bound(bounds: list[torch.Tensor]) -> torch.Tensor:
+    """Elementwise max of same-shaped bounds (one attention's layers), else the max of all."""
+    if len({tuple(b.shape) for b in bounds}) > 1:
+        return torch.stack([b.max() for b in bounds]).max().reshape(1)
+    out = bounds[0]
+    for b in bounds[1:]:
+        out = torch.maximum(out, b)
+    return out
+
+
+def _report(model: nn.Module, layers: list[LayerScales]) -> tuple[dict, dict, tuple]:
+    """``(cache layer -> attention, cache layer -> why no scale, latent attentions)``; the
+    cache layers no attention writes are named with the class of the layer the model's
+    cache has there (``LinearAttentionLayer``: a recurrent state, no keys or values)."""
+    written = {l.layer: l.site for l in layers}
+    classes = cache_layer_classes(getattr(model, "config", None)) or []
+    not_cached = {i: f"{cls}: written by no attention (holds no keys and values, or "
+                     "another layer's)" for i, cls in enumerate(classes) if i not in written}
+    latent = tuple(dict.fromkeys(l.site for l in layers if l.latent))
+    for i, why in not_cached.items():
+        log.info("geoscale: export_kv_scales: cache layer %d has no scale (%s)", i, why)
+    if latent:
+        log.info("geoscale: export_kv_scales: %s cache a latent: one k/v scale for the whole "
+                 "entry, no q_scale", ", ".join(latent))
+    return written, not_cached, latent
 
 
 def _check_module_paths(model: nn.Module, layers: list[LayerScales]) -> None:
@@ -238,10 +296,11 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
         with torch.no_grad():
             layers = WeightKVScales(model).capture(*example_inputs, **example_kwargs).layers()
     _check_module_paths(model, layers)
-    return _write(layers, options, Path(out_dir))
+    return _write(layers, options, Path(out_dir), _report(model, layers))
 
 
-def _write(layers: list[LayerScales], options: KVExportOptions, out: Path) -> KVScaleExport:
+def _write(layers: list[LayerScales], options: KVExportOptions, out: Path,
+           report: tuple) -> KVScaleExport:
     from safetensors.torch import save_file
 
     tensors = scale_tensors(layers, options)
@@ -259,7 +318,7 @@ def _write(layers: list[LayerScales], options: KVExportOptions, out: Path) -> KV
         index_path = _write_index(out, index)
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         files += [out / "config.json", index_path]
-    log.info("geoscale: export_kv_scales: %d layers, strategy=%s, %d tensors -> %s%s",
+    log.info("geoscale: export_kv_scales: %d cache layers, strategy=%s, %d tensors -> %s%s",
              len(layers), options.strategy, len(tensors), out / SCALES_FILE,
              " (merged into the checkpoint's config.json and index)" if merged else "")
-    return KVScaleExport(tensors, qconfig, tuple(files), merged)
+    return KVScaleExport(tensors, qconfig, tuple(files), merged, *report)

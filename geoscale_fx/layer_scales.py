@@ -31,12 +31,18 @@ __all__ = ["LayerScales", "scale_from_bound"]
 
 @dataclass(frozen=True)
 class LayerScales:
-    """One cache layer: the attention module that reads it, and its certified bounds."""
-    layer: int
+    """One cache layer: the attention module that reads it, and its certified bounds.
+
+    ``k_bound``/``v_bound`` bound what the layer stores, per stored head: the attention's
+    keys and values, or, for a ``latent`` layer (MLA), the compressed latent it expands
+    after the read (keys slot: ``kv_c`` after its RMSNorm, values slot: the rotated
+    ``k_pe``; one head each)."""
+    layer: int                     # cache layer index (the ``layer_idx`` the model writes)
     site: str                      # attention site (module path)
     q_bound: torch.Tensor          # (n_q,) float64: max |q entry| per query head
-    k_bound: torch.Tensor          # (n_kv,)
+    k_bound: torch.Tensor          # (n_kv,): per stored head
     v_bound: torch.Tensor          # (n_kv,)
+    latent: bool = False           # the cache holds a latent the attention expands (MLA)
 
     def scales(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_scale, v_scale)`` float32 ``(n_kv,)``: bound / R_max (a divisor); for

@@ -1,21 +1,24 @@
 """Certified per-layer q/k/v bounds of a model from its current weights (``WeightKVScales``).
 
-The attention sites of one trace of the model (``capture_graphs`` and ``analyze_graph``,
-without a cache, so the keys are traced to their projection) are mapped to cache layers by the
-attention module's ``layer_idx`` (execution order otherwise). Each layer's bounds
-``max |entry|`` of its queries, keys and values (``amax.site_amax_bounds``, per head, float64)
-hold for every input; ``LayerScales.scales`` turns them into FP8 (or NVFP4) k/v scales. They
-are re-evaluated from the live parameters whenever one changed in place or moved to a new
-storage; a parameter replaced by another tensor is found by name and the graphs are analysed
-again on it (never a second forward pass). Parameters with inf/nan are refused by name
-before any bound is computed.
+The model is traced once with its cache in use and its cache writes marked
+(``kv_cache_map.trace_kwargs``, ``kv_cache_layers.marked_cache_writes``); the attention sites
+(``analyze_graph``) and what each write stores (``passes.cache_writes``) give the cache
+layers (``kv_cache_map.cache_layers``): per layer index the model writes, the bounds on
+``max |entry|`` of what it stores (``amax.cache_write_bounds``: the attention's keys and
+values, or an MLA layer's latent) and of the reading attention's queries
+(``amax.site_amax_bounds``), per head, float64, for every input; ``LayerScales.scales``
+turns them into FP8 (or NVFP4) k/v scales. Layers no attention writes (a hybrid's
+linear-attention layers) have none. The bounds are re-evaluated from the live parameters
+whenever one changed in place or moved to a new storage; a parameter replaced by another
+tensor is found by name and the graphs are analysed again on it (never a second forward
+pass). Parameters with inf/nan are refused by name before any bound is computed.
 
 Used by the FP8 KV cache of ``generate`` (``geoscale_fx.kv_cache_manager``), by
 ``export_kv_scales`` and by ``attention_scales``::
 
     scales = WeightKVScales(model).capture(input_ids)    # one trace
-    for layer in scales.layers():                        # per cache layer, in layer order
-        k_scale, v_scale = layer.scales("e4m3")          # float32 (n_kv,)
+    for layer in scales.layers():                        # per written cache layer, in order
+        k_scale, v_scale = layer.scales("e4m3")          # float32 (stored heads,)
 """
 from __future__ import annotations
 
@@ -27,24 +30,19 @@ from torch import nn
 
 from geoscale_fx import amax
 from geoscale_fx.capture import CapturedGraph, capture_graphs
+from geoscale_fx.kv_cache_layers import marked_cache_writes
+from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, trace_kwargs
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.passes.cache_writes import cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.graph_ops import upstream
 from geoscale_fx.scaling import NonFiniteWeights
+from geoscale_fx.site_model import CacheWrite
 
 __all__ = ["WeightKVScales"]
 
 log = logging.getLogger("geoscale_fx")
-
-
-def _layer_index(model: nn.Module, site_name: str) -> Optional[int]:
-    try:
-        module = model.get_submodule(site_name)
-    except AttributeError:
-        return None
-    index = getattr(module, "layer_idx", None)
-    return int(index) if isinstance(index, int) else None
 
 
 def _parameter_signature(model: nn.Module) -> tuple[tuple, tuple]:
@@ -74,24 +72,35 @@ def _tensor_names(model: nn.Module) -> dict[int, str]:
     return out
 
 
-def _site_reads(graph: CapturedGraph, site) -> list[int]:
-    """Positions among ``graph``'s inputs of the parameters the site's q/k/v bounds read."""
+def _reads(graph: CapturedGraph, node_names) -> list[int]:
+    """Positions among ``graph``'s inputs of the parameters the nodes are computed from."""
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
     by_name = {n.name: n for n in graph.gm.graph.nodes}
-    reads = upstream([by_name[name] for name in site.operand_nodes])
+    reads = upstream([by_name[name] for name in node_names])
     return sorted(position[n] for n in reads if n in position)
+
+
+def _layer_reads(graphs: list[CapturedGraph], layer: CacheLayer
+                 ) -> list[tuple[str, int, list[int]]]:
+    """``(site name, graph, input positions)`` of what the layer's bounds read."""
+    parts = [(s.graph, [n for t in s.terms for n in t.q.node_names]) for s in layer.sites]
+    parts += [(w.graph, list(w.node_names)) for w in layer.writes]
+    if not layer.writes:
+        parts += [(s.graph, list(s.operand_nodes)) for s in layer.sites]
+    return [(layer.site, g, _reads(graphs[g], nodes)) for g, nodes in parts]
 
 
 class WeightKVScales:
     """Certified per-layer q/k/v bounds of ``model`` from its current weights.
 
     ``capture(*args, **kwargs)`` traces the model once (arguments as in a call; a Hugging Face
-    model is traced with ``use_cache=False``); ``layers()`` evaluates the bounds, again only
-    when the parameters changed (an in-place update, a new storage, or a parameter replaced
-    by another tensor of the same name: the traced graph is then re-analysed on the new
-    tensors, without a forward pass). Every attention must be supported with traced values,
-    and every parameter its bounds read finite: otherwise a ``ValueError`` names the site and
+    model is traced with ``use_cache=True``, its cache writes marked); ``layers()`` evaluates
+    the bounds of each cache layer it writes, again only when the parameters changed (an
+    in-place update, a new storage, or a parameter replaced by another tensor of the same
+    name: the traced graph is then re-analysed on the new tensors, without a forward pass).
+    Every attention must be supported, every stored tensor traced to the weights, and every
+    parameter the bounds read finite: otherwise a ``ValueError`` names the site or layer and
     the reason, or the parameter (never a silent default scale).
     """
 
@@ -100,7 +109,8 @@ class WeightKVScales:
         self._graphs: Optional[list[CapturedGraph]] = None
         self._names: list[dict[int, str]] = []      # per graph: input position -> tensor name
         self._sites: Optional[list] = None
-        self._reads: list[tuple[int, list[int]]] = []  # per site: (graph, input positions)
+        self._cache_layers: list[CacheLayer] = []
+        self._reads: list[tuple[str, int, list[int]]] = []  # (site, graph, input positions)
         self._signature: Optional[tuple] = None
         self._layers: Optional[list[LayerScales]] = None
 
@@ -109,11 +119,11 @@ class WeightKVScales:
         return self._sites is not None
 
     def capture(self, *args, **kwargs) -> "WeightKVScales":
-        if hasattr(self.model, "generation_config"):
-            kwargs = {**kwargs, "use_cache": False}
         compiled, self.model._compiled_call_impl = self.model._compiled_call_impl, None
         try:     # apply_ routes __call__ through geoscale: trace the plain model
-            graphs = capture_graphs(self.model, *args, **kwargs)
+            with marked_cache_writes():
+                graphs = capture_graphs(self.model, *args,
+                                        **trace_kwargs(self.model, kwargs))
         finally:
             self.model._compiled_call_impl = compiled
         names = _tensor_names(self.model)
@@ -122,17 +132,23 @@ class WeightKVScales:
                         if id(v) in names} for g in graphs]
         self._analyze()
         self._signature = None
-        log.info("geoscale: kv_cache: %d attention layers traced for k/v scales",
-                 len(self._sites))
+        log.info("geoscale: kv_cache: %d cache layers of %d attention sites traced for k/v "
+                 "scales", len(self._cache_layers), len(self._sites))
         return self
 
+    @property
+    def cache_writes(self) -> list[CacheWrite]:
+        """What the traced forward stored, per write (``passes.cache_writes``)."""
+        return [w for layer in self._cache_layers for w in layer.writes]
+
     def _analyze(self) -> None:
-        sites, reads = [], []
+        sites, writes = [], []
         for index, graph in enumerate(self._graphs):
             found = analyze_graph(graph.gm, graph.example_inputs, graph_index=index,
                                   first_index=len(sites))
             sites += found
-            reads += [(index, _site_reads(graph, s) if s.supported else []) for s in found]
+            if all(s.supported for s in found):
+                writes += cache_writes(graph.gm, graph.example_inputs, found, index)
         if not sites:
             raise ValueError(f"kv_cache: no attention found in {type(self.model).__name__}")
         for site in sites:
@@ -140,11 +156,14 @@ class WeightKVScales:
                 raise ValueError(f"kv_cache: attention {site.name!r} cannot be bounded from "
                                  f"the weights ({site.reason}), so its k/v scales cannot be "
                                  "predicted; use kv_cache=None for this model")
+        layers = cache_layers(self.model, sites, writes, "kv_cache")
+        for site in (s for layer in layers if not layer.writes for s in layer.sites):
             if site.value is None:
                 raise ValueError(f"kv_cache: attention {site.name!r}: the values could not "
                                  f"be traced to their projection ({site.value_reason}), so "
                                  "v_scale cannot be predicted; use kv_cache=None")
-        self._sites, self._reads, self._layers = sites, reads, None
+        self._sites, self._cache_layers, self._layers = sites, layers, None
+        self._reads = [r for layer in layers for r in _layer_reads(self._graphs, layer)]
 
     def layers(self) -> list[LayerScales]:
         """Per cache layer, in layer order; recomputed only if a parameter changed."""
@@ -186,8 +205,7 @@ class WeightKVScales:
         them all (a few ms less per refresh than ``isfinite``); only a non-finite sum (or
         one that overflowed) is looked at entry by entry."""
         reads = [(site, index, i, to_local(self._graphs[index].example_inputs[i]))
-                 for site, (index, positions) in zip(self._sites, self._reads)
-                 for i in positions]
+                 for site, index, positions in self._reads for i in positions]
         reads = [r for r in reads if isinstance(r[3], torch.Tensor)
                  and r[3].is_floating_point() and r[3].device.type != "meta"]
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -200,25 +218,17 @@ class WeightKVScales:
             if bad:
                 name = self._names[index].get(i, f"graph input {i}")
                 raise NonFiniteWeights(
-                    f"geoscale: attention site {site.name!r}: parameter {name!r} is not "
+                    f"geoscale: attention site {site!r}: parameter {name!r} is not "
                     f"finite ({bad} inf/nan value(s) out of {value.numel()}); its q/k/v "
                     "bounds (and FP8 scales) would be NaN")
 
     def _evaluate(self) -> list[LayerScales]:
-        out = []
-        for position, site in enumerate(self._sites):
-            bounds = amax.site_amax_bounds(site)
-            if not all(bool(torch.isfinite(b).all()) for b in bounds.values()):
-                raise ValueError(f"kv_cache: attention {site.name!r}: its q/k/v bounds are "
-                                 "not finite (finite parameters, too large for float64); no "
-                                 "FP8 scale can be derived")
-            layer = _layer_index(self.model, site.name)
-            out.append(LayerScales(position if layer is None else layer, site.name,
-                                   bounds["q"], bounds["k"], bounds["v"]))
-        layers = sorted(out, key=lambda s: s.layer)
-        if [s.layer for s in layers] != list(range(len(layers))):
-            raise ValueError("kv_cache: attention layers "
-                             f"{[(s.site, s.layer) for s in layers]} do not map one to one "
-                             "onto cache layers 0..n-1 (layers sharing a cache, or "
-                             "attention the cache does not hold)")
-        return layers
+        def q_of(site):
+            return amax.site_amax_bounds(site, roles="q")["q"]
+
+        def kv_of(part):
+            if isinstance(part, CacheWrite):
+                return amax.cache_write_bounds(part)
+            return amax.site_amax_bounds(part, roles="kv")
+
+        return [layer_scales(layer, q_of, kv_of, "kv_cache") for layer in self._cache_layers]

@@ -50,6 +50,32 @@ def test_per_head_scales_and_without_q():
     assert bool((k.flatten().double() * 448 >= torch.tensor([9.0, 10.0])).all())
 
 
+def test_a_latent_cache_takes_one_scale_for_the_whole_entry_and_no_q_scale():
+    """MLA: the keys slot holds kv_c (bound 11.3), the values slot k_pe (bound 1.5); vLLM's
+    MLA cache stores both in one entry under ``k_scale``: k and v scales are both
+    max(11.3, 1.5) / 448, one per layer, whatever the strategy; no q_scale."""
+    b = lambda *v: torch.tensor(v, dtype=torch.float64)                    # noqa: E731
+    latent = export.LayerScales(0, "m.0.attn", b(1.0, 2.0), b(11.3), b(1.5), latent=True)
+    for strategy, shape in (("tensor", (1,)), ("head", (1, 1, 1))):
+        out = scale_tensors([latent], KVExportOptions(strategy=strategy))
+        assert sorted(out) == ["m.0.attn.k_scale", "m.0.attn.v_scale"]
+        ref = _smallest_f32_at_least(11.3 / 448)
+        assert all(t.shape == shape and float(t) == ref for t in out.values())
+
+
+def test_an_attention_writing_several_layers_takes_their_max():
+    """A shared block called at two layers (Zamba): one set of scales bounding both."""
+    b = lambda *v: torch.tensor(v, dtype=torch.float64)                    # noqa: E731
+    layers = [export.LayerScales(1, "shared.attn", b(1.0), b(4.0, 1.0), b(1.0, 2.0)),
+              export.LayerScales(3, "shared.attn", b(1.0), b(2.0, 3.0), b(5.0, 1.0))]
+    out = scale_tensors(layers, KVExportOptions(strategy="head"))
+    assert sorted(out) == ["shared.attn.k_scale", "shared.attn.q_scale", "shared.attn.v_scale"]
+    assert out["shared.attn.k_scale"].flatten().tolist() == [
+        _smallest_f32_at_least(4 / 448), _smallest_f32_at_least(3 / 448)]
+    assert out["shared.attn.v_scale"].flatten().tolist() == [
+        _smallest_f32_at_least(5 / 448), _smallest_f32_at_least(2 / 448)]
+
+
 def test_quantization_config_is_a_kv_cache_only_compressed_tensors_config():
     config = quantization_config(KVExportOptions(strategy="head"))
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "dense"

@@ -55,6 +55,7 @@ LAYERS = {
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
     "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "graph_cache": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
     "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,
+    "kv_cache_map": RUNTIME,
     # the backend, and the registry of live backends that the report reads
     "dynamo_backend": BACKEND, "backend_sites": BACKEND, "backend_registry": BACKEND,
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)

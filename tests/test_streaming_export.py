@@ -227,8 +227,8 @@ def test_arguments_of_the_other_route_are_refused(tmp_path):
 def test_unbounded_attention_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
     """OLMo2 normalizes after the projections: its values read the residual stream, which is
     bounded only by value (the embedding table plus every block's output norm,
-    ``passes/value_bound.py``). Without that bound v has none (as in memory), and the refusal
-    comes from the trace alone."""
+    ``passes/value_bound.py``). Without that bound the values the cache stores have none (as
+    in memory), and the refusal, naming the cache layer, comes from the trace alone."""
     import geoscale_fx.passes.bounded_operand as bounded_operand
     import geoscale_fx.passes.operand_sides as operand_sides
 
@@ -239,7 +239,9 @@ def test_unbounded_attention_is_refused_before_any_tensor_is_read(tmp_path, monk
     model.save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
     calls = _record_reads(monkeypatch)
     before = _files(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"attention 'model.layers.0.self_attn': the values "
-                                         "could not be traced to their projection"):
+    with pytest.raises(ValueError, match=r"cache layer 0, written by "
+                                         r"`model.layers.0.self_attn`: the stored values `\w+` "
+                                         r"cannot be bounded from the weights \(no "
+                                         r"normalization before the projection"):
         export_kv_scales(tmp_path / "ckpt")
     assert calls == [] and _files(tmp_path / "ckpt") == before

@@ -1,0 +1,85 @@
+"""``geoscale_fx.kv_cache_map``: cache writes grouped into cache layers, on plain data.
+
+Sites and writes are built by hand (``AttentionSite``/``CacheWrite`` are plain data); the
+bounds are given tensors, so every combination is checked against an explicit maximum.
+The refusals name the cache layer and the attentions involved.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from geoscale_fx.kv_cache_map import cache_layers, layer_scales
+from geoscale_fx.site_model import AttentionSite, CacheWrite
+
+
+def _site(name: str, index: int = 0) -> AttentionSite:
+    return AttentionSite(name=name, index=index, kind="sdpa", node=f"sdpa_{index}",
+                         supported=True)
+
+
+def _write(layer: int, site: str, **kw) -> CacheWrite:
+    return CacheWrite(layer=layer, node=f"cache_write_{layer}", module=site, site=site, **kw)
+
+
+def _t(*values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_a_hybrid_has_layers_only_where_attention_writes():
+    """Cache layers 1 and 3 written (0 and 2 are linear attention): two layers, in order."""
+    sites = [_site("model.layers.3.attn", 1), _site("model.layers.1.attn", 0)]
+    writes = [_write(3, "model.layers.3.attn"), _write(1, "model.layers.1.attn")]
+    layers = cache_layers(nn.Module(), sites, writes, "test")
+    assert [(l.layer, l.site) for l in layers] == [(1, "model.layers.1.attn"),
+                                                   (3, "model.layers.3.attn")]
+    assert [l.sites for l in layers] == [(sites[1],), (sites[0],)]
+
+
+def test_layer_bounds_are_the_max_over_its_parts_and_keep_the_latent_flag():
+    """A differential attention: two calls (sites) of one name read one write: the queries'
+    bound is their elementwise max; two writes of a layer: the stored bounds' max."""
+    sites = [_site("a", 0), _site("a", 1)]
+    writes = [_write(0, "a", latent=True), _write(0, "a")]
+    (layer,) = cache_layers(nn.Module(), sites, writes, "test")
+    q = {sites[0].index: _t(1, 5), sites[1].index: _t(3, 2)}
+    kv = {0: {"k": _t(2.0), "v": _t(7.0)}, 1: {"k": _t(4.0), "v": _t(1.0)}}
+    out = layer_scales(layer, lambda s: q[s.index], lambda w: kv[writes.index(w)], "test")
+    assert torch.equal(out.q_bound, _t(3, 5)) and out.latent
+    assert torch.equal(out.k_bound, _t(4.0)) and torch.equal(out.v_bound, _t(7.0))
+    with pytest.raises(ValueError, match=r"cache layer 0 \('a'\): its stored key bounds have "
+                                         r"differing head counts \[\(1,\), \(2,\)\]"):
+        layer_scales(layer, lambda s: q[s.index],
+                     lambda w: {"k": _t(1.0) if w is writes[0] else _t(1, 2), "v": _t(1.0)},
+                     "test")
+    with pytest.raises(ValueError, match="not finite"):
+        layer_scales(layer, lambda s: _t(float("inf")), lambda w: kv[0], "test")
+
+
+def test_refusals_name_the_layer():
+    a, b = _site("a", 0), _site("b", 1)
+    with pytest.raises(ValueError, match=r"test: cache layer 2, written by `a`: "
+                                         r"no attention found"):
+        cache_layers(nn.Module(), [a], [CacheWrite(2, "w", module="a",
+                                                   reason="no attention found")], "test")
+    with pytest.raises(ValueError, match=r"cache layer 0 is written by the attentions "
+                                         r"\['a', 'b'\]"):
+        cache_layers(nn.Module(), [a, b], [_write(0, "a"), _write(0, "b")], "test")
+    with pytest.raises(ValueError, match=r"the attention 'a' \(1 call\(s\) in the trace\) "
+                                         r"would read cache layers \[0, 1\]: an attention "
+                                         "writing some of them was not found"):
+        cache_layers(nn.Module(), [a], [_write(0, "a"), _write(1, "a")], "test")
+
+
+def test_without_writes_the_sites_are_the_layers_one_to_one():
+    """No write traced: layers at the modules' ``layer_idx`` (position otherwise), refused
+    unless one to one onto 0..n-1."""
+    model = nn.Module()
+    model.x, model.y = nn.Module(), nn.Module()
+    model.x.layer_idx, model.y.layer_idx = 1, 0
+    layers = cache_layers(model, [_site("x", 0), _site("y", 1)], [], "test")
+    assert [(l.layer, l.site, l.writes) for l in layers] == [(0, "y", ()), (1, "x", ())]
+    model.y.layer_idx = 1
+    with pytest.raises(ValueError, match=r"\[\('x', 1\), \('y', 1\)\] do not map one to one"):
+        cache_layers(model, [_site("x", 0), _site("y", 1)], [], "test")
