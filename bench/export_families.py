@@ -24,7 +24,11 @@ directory, and per family:
   latent cache, the whole layer's maximum against the largest scale, and the row says so).
   ``violated``: an export some entry exceeds by more than ``TOLERANCE`` (relative), or a
   cache layer with entries that no exported module wrote. The range used is observed
-  ``amax / (scale·448)`` over (layer, head, k/v): median and worst.
+  ``amax / (scale·448)`` over (layer, head, k/v): median and worst. The export's own report
+  goes into the notes: the cache layers it wrote no scale for (a hybrid's linear-attention
+  layers, named with their cache layer class) and the attentions whose cache holds a latent
+  (MLA: one scale for the whole entry). A cache layer the model wrote that has no scale is a
+  violation (above: written outside any exported attention).
 
 Each family runs under a time limit (SIGALRM) in this process, one after the other; a
 family's failure of any kind is a row, never the end of the sweep. Output: a table, a
@@ -268,9 +272,21 @@ def _check_cache(row: dict, ckpt: Path, export) -> None:
     row.update({"layers": len(sites), "checks": len(ratios), "violations": violations,
                 "range median": statistics.median(ratios) if ratios else None,
                 "range worst": max(ratios) if ratios else None})
-    row["notes"] = "; ".join(dict.fromkeys(notes + more))
+    row["notes"] = "; ".join(dict.fromkeys(notes + more + _export_notes(export)))
     if violations:
         row["streamed"] = "violated"
+
+
+def _export_notes(export) -> list[str]:
+    """The export's report: cache layers without a scale, and latent caches."""
+    notes = []
+    if export.not_cached:
+        notes.append("no scale for cache layers " + ", ".join(
+            f"{i} ({why.split(':')[0]})" for i, why in sorted(export.not_cached.items())))
+    if export.latent:
+        notes.append(f"latent cache (one k/v scale, no q_scale): {len(export.latent)} "
+                     "attention(s)")
+    return notes
 
 
 def _run_family(row: dict, model_type: str, work: Path) -> None:

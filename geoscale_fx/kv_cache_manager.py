@@ -2,9 +2,10 @@
 with per-kv-head scales from the weights.
 
 Serving engines keep keys and values in FP8 with ``k_scale``/``v_scale`` taken from
-calibration data, the first batch, or a default of 1.0. Here the scale of each kv head is the
-certified bound on ``max |entry|`` of the keys (values) that reach that layer's attention
-(``geoscale_fx.weight_kv_scales``, from the current weights alone) divided by R_max
+calibration data, the first batch, or a default of 1.0. Here the scale of each stored head is
+the certified bound on ``max |entry|`` of what the model stores in that cache layer — its
+attention's keys (values), or an MLA layer's latent — (``geoscale_fx.weight_kv_scales``, from
+the current weights alone) divided by R_max
 (``geoscale_fx.layer_scales``): no cached entry can saturate, whatever the input, and the
 scales are right on the first token after every weight update — never from observed
 activations or calibration data. ``kv_cache="nvfp4"`` stores NVFP4 instead, with global
@@ -126,16 +127,20 @@ class KVCacheManager:
         return int(sum(int(c.sum()) for c in self.saturated))
 
     def rows(self) -> dict[str, dict]:
-        """Per site name: ``k_scale``/``v_scale`` (max over kv heads), ``kv_saturated`` and,
-        where some were, ``kv_nonfinite`` (entries that were not finite)."""
+        """Per site name: ``k_scale``/``v_scale`` (max over kv heads, and over the cache
+        layers the site writes: a shared block called by several layers), ``kv_saturated``
+        and, where some were, ``kv_nonfinite`` (entries that were not finite), summed over
+        those layers."""
         if self.last_layers is None:
             return {}
-        out = {}
-        for layer, counter in zip(self.last_layers, self.saturated):
+        out: dict[str, dict] = {}
+        for layer, counter, bad in zip(self.last_layers, self.saturated, self.nonfinite):
             k_scale, v_scale = layer.scales(self.fmt)
-            out[layer.site] = {"k_scale": float(k_scale.max()), "v_scale": float(v_scale.max()),
-                               "kv_saturated": int(counter.sum())}
-        for layer, counter in zip(self.last_layers, self.nonfinite):
-            if int(counter.sum()):
-                out[layer.site]["kv_nonfinite"] = int(counter.sum())
+            row = out.setdefault(layer.site, {"k_scale": 0.0, "v_scale": 0.0,
+                                              "kv_saturated": 0})
+            row["k_scale"] = max(row["k_scale"], float(k_scale.max()))
+            row["v_scale"] = max(row["v_scale"], float(v_scale.max()))
+            row["kv_saturated"] += int(counter.sum())
+            if int(bad.sum()):
+                row["kv_nonfinite"] = row.get("kv_nonfinite", 0) + int(bad.sum())
         return out

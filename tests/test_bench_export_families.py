@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.export_families import _outcome, cached_amax, compare_with_cache, family_row
+from bench.export_families import (_export_notes, _outcome, cached_amax, compare_with_cache,
+                                   family_row)
 
 pytest.importorskip("transformers")
 
@@ -35,6 +36,19 @@ def test_a_latent_cache_is_compared_whole_and_an_unwritten_layer_is_a_violation(
     assert ratios == [1000 / 896] and violations == 2
     assert notes[0].startswith("layer 0 k: cache has 1 heads, scales 2")
     assert notes[-1] == "cache layer 1 written outside any exported attention"
+
+
+def test_the_exports_report_goes_into_the_notes():
+    """Cache layers without a scale, by index and cache layer class; latent caches counted."""
+    from types import SimpleNamespace
+
+    export = SimpleNamespace(not_cached={2: "LinearAttentionLayer: written by no attention",
+                                         0: "DummyLayer: written by no attention"},
+                             latent=("m.1.attn",))
+    assert _export_notes(export) == [
+        "no scale for cache layers 0 (DummyLayer), 2 (LinearAttentionLayer)",
+        "latent cache (one k/v scale, no q_scale): 1 attention(s)"]
+    assert _export_notes(SimpleNamespace(not_cached={}, latent=())) == []
 
 
 def test_outcomes_refused_only_for_geoscales_own_value_errors():

@@ -39,6 +39,36 @@ def test_new_cache_holds_scales_covering_the_traced_bounds_and_rows_report_them(
                        "kv_saturated": 0}
 
 
+def test_a_hybrids_cache_stores_fp8_only_in_its_attention_layer():
+    """Qwen3-Next (linear attention, then full attention): cache layer 0 stays transformers'
+    ``LinearAttentionLayer``, layer 1 takes the attention's scales (one kv head here)."""
+    from geoscale_fx.hf_configs import tiny_model
+
+    torch.manual_seed(0)
+    manager = KVCacheManager(tiny_model("qwen3_next").eval(), "fp8")
+    cache = manager.new_cache(_ids())
+    assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer",
+                                                                "FP8DynamicLayer"]
+    (scales,) = manager.last_layers
+    assert (scales.layer, scales.site) == (1, "model.layers.1.self_attn")
+    assert bool((cache.layers[1].k_scale.double() * 448.0 >= scales.k_bound).all())
+    assert list(manager.rows()) == ["model.layers.1.self_attn"]
+
+
+def test_rows_of_an_attention_writing_two_layers_take_the_max_and_the_sum():
+    """A shared block called at two layers: one row, the larger scale, saturations summed."""
+    from geoscale_fx.layer_scales import LayerScales
+
+    manager = KVCacheManager(build_hf("llama-sdpa"), "fp8")
+    b = lambda *v: torch.tensor(v, dtype=torch.float64)                    # noqa: E731
+    manager.last_layers = [LayerScales(0, "shared", b(1.0), b(448.0, 1.0), b(1.0, 1.0)),
+                           LayerScales(1, "shared", b(1.0), b(1.0, 1.0), b(896.0, 1.0))]
+    manager.saturated = [torch.tensor([1, 0]), torch.tensor([0, 2])]
+    manager.nonfinite = [torch.zeros(2, dtype=torch.int64), torch.tensor([0, 3])]
+    assert manager.rows() == {"shared": {"k_scale": 1.0, "v_scale": 2.0, "kv_saturated": 3,
+                                         "kv_nonfinite": 3}}
+
+
 def test_saturation_is_counted_across_caches_and_warned_about(caplog):
     manager = KVCacheManager(build_hf("llama-sdpa"), "fp8_e5m2")
     first = manager.new_cache(_ids())
