@@ -163,7 +163,11 @@ def _stored_sides(stored: Node, role: str, write: Node, kinds: ValueKinds, evalu
         check_rotations_within(at, role, rows, records, groups)
     sides = tuple(side for channels in groups for side in term_sides(
         at, role, trace, trace.track, rows, channels, records, kinds))
-    per_batch = rows.head_of_row                                   # (B, H)
+    try:       # the replay may keep fewer leading axes (a view adding a head axis of 1)
+        per_batch = torch.broadcast_to(rows.head_of_row, shape[:2])          # (B, H)
+    except RuntimeError:
+        raise Unsupported(f"`{stored.name}`: its heads cannot be read off its trace (leading "
+                          f"shape {tuple(rows.head_of_row.shape)} for {shape})") from None
     if not bool((per_batch == per_batch[:1]).all()):
         raise Unsupported(f"`{stored.name}`: its heads differ across the batch")
     return sides, tuple(int(h) for h in per_batch[0].tolist())

@@ -27,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 B, L, D, H = 1, 6, 32, 2
 R, DR, DN, DV = 16, 8, 8, 8          # latent rank, rope part, nope part, value head dim
 DH = 8
+LATENT_SCALE = 0.5
 
 
 def _gains(*norms: nn.Module) -> None:
@@ -37,8 +38,9 @@ def _gains(*norms: nn.Module) -> None:
 
 class ToyMLA(nn.Module):
     """DeepSeek-V2's layout without rotary: the cache stores ``kv_c`` after its RMSNorm
-    ``(B, 1, L, R)`` and ``k_pe`` ``(B, 1, L, DR)``; keys and values are computed from them
-    after the read (``kv_b``)."""
+    ``(B, 1, L, R)`` times ``LATENT_SCALE`` (Dots3's ``kv_lora_scale``, after the view that
+    adds the head axis) and ``k_pe`` ``(B, 1, L, DR)``; keys and values are computed from
+    them after the read (``kv_b``)."""
 
     def __init__(self):
         super().__init__()
@@ -52,7 +54,7 @@ class ToyMLA(nn.Module):
         h = self.norm(x)
         q = self.q(h).view(B, L, H, DN + DR).transpose(1, 2)                # (B, H, L, .)
         kv_c, k_pe = self.kv_a(h).split([R, DR], dim=-1)
-        kv_c = self.kv_norm(kv_c).view(B, 1, L, R)                          # (B, 1, L, R)
+        kv_c = self.kv_norm(kv_c).view(B, 1, L, R) * LATENT_SCALE           # (B, 1, L, R)
         k_pe = k_pe.view(B, 1, L, DR)                                       # (B, 1, L, DR)
         kv_c, k_pe = cache.update(kv_c, k_pe, 0)
         kv = self.kv_b(kv_c).view(B, -1, H, DN + DV).transpose(1, 2)        # (B, H, L', .)
@@ -131,7 +133,7 @@ def test_marked_writes_are_graph_nodes_and_the_marking_ends_with_the_context():
 
 
 def test_a_latent_cache_is_bounded_as_stored_not_as_expanded():
-    """``kv_c = g ⊙ x̂`` with ``‖x̂‖ ≤ √R``: every entry ``≤ ‖g‖_∞·√R``; ``k_pe`` (no
+    """``kv_c = c·(g ⊙ x̂)`` with ``‖x̂‖ ≤ √R``: every entry ``≤ |c|·‖g‖_∞·√R``; ``k_pe`` (no
     rotation) channel i: ``≤ √D·‖a_i‖``. Both are reached: the cache holds them for an
     input aligned with the extreme row."""
     model = ToyMLA()
@@ -140,7 +142,7 @@ def test_a_latent_cache_is_bounded_as_stored_not_as_expanded():
     assert (write.layer, write.key_heads, write.value_heads) == (0, (0,), (0,))
     bounds = cache_write_bounds(write)
     g = model.kv_norm.weight.detach().double()
-    assert torch.equal(bounds["k"], (g.abs().max() * math.sqrt(R)).reshape(1))
+    assert torch.equal(bounds["k"], (LATENT_SCALE * g.abs().max() * math.sqrt(R)).reshape(1))
     rope = _rows(model.kv_a.weight[R:], model.norm.weight)                 # (DR, D)
     norms = torch.linalg.vector_norm(rope, dim=-1)
     assert torch.allclose(bounds["v"], (math.sqrt(D) * norms.max()).reshape(1), rtol=1e-6)
