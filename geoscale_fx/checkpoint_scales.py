@@ -18,8 +18,8 @@ never loaded:
    analysis to evaluate. The graphs' weight inputs are then put back to the meta
    parameters, and ``analyze_graph`` runs on them: no weight value is seen before it is
    read below.
-   The trace uses the model's cache with its writes marked (``kv_cache_map.trace_kwargs``,
-   ``kv_cache_layers.marked_cache_writes``), as the in-memory route does, so the cache
+   The trace uses the model's cache with its writes marked
+   (``kv_cache_map.traced_with_writes``), as the in-memory route does, so the cache
    layers — what each stores, which attention reads it — are found as there
    (``passes.cache_writes``, ``kv_cache_map.cache_layers``).
 3. **Read what each bound reads.** Per cache layer, the graph nodes its bounds read (the
@@ -60,8 +60,7 @@ from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.hf_configs import causal_lm_class, token_inputs
-from geoscale_fx.kv_cache_layers import marked_cache_writes
-from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, trace_kwargs
+from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, traced_with_writes
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.cache_writes import cache_writes
@@ -177,11 +176,12 @@ def traced_graphs(model: nn.Module) -> list[CapturedGraph]:
     (none is read before ``_resolver`` reads it). A forward that fails so (it needs more
     than token ids, or writes into its weights) is a ``ValueError`` naming the model and
     the failure."""
-    with weightless(model) as originals, torch.no_grad(), marked_cache_writes():
+    with weightless(model) as originals, torch.no_grad():
         inputs = token_inputs(model, seq_len=TRACE_LEN)
         try:
-            graphs = capture_graphs(model, graph_mode=ConstantProducts,
-                                    **trace_kwargs(model, inputs))
+            graphs = traced_with_writes(
+                lambda kw: capture_graphs(model, graph_mode=ConstantProducts, **kw), model,
+                inputs, "export_kv_scales")
         except Exception as exc:
             shape = tuple(inputs["input_ids"].shape)
             raise ValueError(f"export_kv_scales: {type(model).__name__} fails on token ids "

@@ -1,8 +1,9 @@
 """Which KV-cache layer holds what, and the attention whose scales bound it.
 
 A cache layer's scales must bound what the layer stores, and only the forward knows what
-that is. The model is traced with its cache writes marked (``trace_kwargs`` asks it to use
-its cache, ``kv_cache_layers.marked_cache_writes`` marks ``Cache.update``); each write
+that is. The model is traced with its cache in use and its writes marked
+(``traced_with_writes``: ``kv_cache_layers.marked_cache_writes`` marks ``Cache.update``); each
+write
 (``passes.cache_writes``: its layer index, the sides of the stored keys and values, the
 attention reading them) is one ``CacheLayer`` here:
 
@@ -15,8 +16,9 @@ attention reading them) is one ``CacheLayer`` here:
 * the queries' bound is the reading attention's (every site of that name: a differential
   attention's two softmaxes).
 
-A forward whose trace holds no cache write at all (a model without a KV cache, or one that
-keeps it outside ``Cache.update``) has its attention sites as layers: what an engine's cache
+A forward whose trace holds no cache write at all (a model without a KV cache, one that
+keeps it outside ``Cache.update``, or one that fails with its cache in use at the traced
+size) has its attention sites as layers: what an engine's cache
 would store are their keys and values, at the module's ``layer_idx`` (execution order
 otherwise), one to one onto ``0..n-1``.
 
@@ -34,17 +36,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
 
+from geoscale_fx.kv_cache_layers import marked_cache_writes
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.site_model import AttentionSite, CacheWrite
 
-__all__ = ["CacheLayer", "trace_kwargs", "cache_layers", "layer_scales"]
+__all__ = ["CacheLayer", "traced_with_writes", "cache_layers", "layer_scales"]
 
 log = logging.getLogger("geoscale_fx")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,12 +77,25 @@ class CacheLayer:
         return tuple(dict.fromkeys(n for s in self.sites for n in s.operand_nodes))
 
 
-def trace_kwargs(model: nn.Module, kwargs: dict) -> dict:
-    """The call's keyword arguments, asking a Hugging Face model (it has a
-    ``generation_config``) to use its cache, so that its writes are traced."""
-    if hasattr(model, "generation_config"):
-        return {**kwargs, "use_cache": True}
-    return kwargs
+def traced_with_writes(trace: Callable[[dict], T], model: nn.Module, kwargs: dict, who: str
+                       ) -> T:
+    """``trace(kwargs)`` with the cache writes marked (``marked_cache_writes``), a Hugging
+    Face model (it has a ``generation_config``) asked to use its cache. One whose forward
+    fails so (a cache its config cannot build, a model with no attention layer for it) is
+    traced as before, ``use_cache=False``: no write is seen, and each attention is its own
+    layer (``cache_layers``)."""
+    if not hasattr(model, "generation_config"):
+        with marked_cache_writes():
+            return trace(kwargs)
+    try:
+        with marked_cache_writes():
+            return trace({**kwargs, "use_cache": True})
+    except Exception as exc:  # noqa: BLE001 — any failure: the trace without a cache
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        log.info("geoscale: %s: %s fails with its cache in use (%s: %s); traced without it, "
+                 "so what its cache stores is not seen", who, type(model).__name__,
+                 type(exc).__name__, first)
+        return trace({**kwargs, "use_cache": False})
 
 
 def cache_layers(model: nn.Module, sites: Sequence[AttentionSite],

@@ -1,7 +1,7 @@
 """Certified per-layer q/k/v bounds of a model from its current weights (``WeightKVScales``).
 
 The model is traced once with its cache in use and its cache writes marked
-(``kv_cache_map.trace_kwargs``, ``kv_cache_layers.marked_cache_writes``); the attention sites
+(``kv_cache_map.traced_with_writes``); the attention sites
 (``analyze_graph``) and what each write stores (``passes.cache_writes``) give the cache
 layers (``kv_cache_map.cache_layers``): per layer index the model writes, the bounds on
 ``max |entry|`` of what it stores (``amax.cache_write_bounds``: the attention's keys and
@@ -30,8 +30,7 @@ from torch import nn
 
 from geoscale_fx import amax
 from geoscale_fx.capture import CapturedGraph, capture_graphs
-from geoscale_fx.kv_cache_layers import marked_cache_writes
-from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, trace_kwargs
+from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, traced_with_writes
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.cache_writes import cache_writes
@@ -121,9 +120,9 @@ class WeightKVScales:
     def capture(self, *args, **kwargs) -> "WeightKVScales":
         compiled, self.model._compiled_call_impl = self.model._compiled_call_impl, None
         try:     # apply_ routes __call__ through geoscale: trace the plain model
-            with marked_cache_writes():
-                graphs = capture_graphs(self.model, *args,
-                                        **trace_kwargs(self.model, kwargs))
+            graphs = traced_with_writes(
+                lambda kw: capture_graphs(self.model, *args, **kw), self.model, kwargs,
+                "kv_cache")
         finally:
             self.model._compiled_call_impl = compiled
         names = _tensor_names(self.model)
@@ -135,11 +134,6 @@ class WeightKVScales:
         log.info("geoscale: kv_cache: %d cache layers of %d attention sites traced for k/v "
                  "scales", len(self._cache_layers), len(self._sites))
         return self
-
-    @property
-    def cache_writes(self) -> list[CacheWrite]:
-        """What the traced forward stored, per write (``passes.cache_writes``)."""
-        return [w for layer in self._cache_layers for w in layer.writes]
 
     def _analyze(self) -> None:
         sites, writes = [], []

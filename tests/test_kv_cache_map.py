@@ -6,11 +6,13 @@ The refusals name the cache layer and the attentions involved.
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.kv_cache_map import cache_layers, layer_scales
+from geoscale_fx.kv_cache_map import cache_layers, layer_scales, traced_with_writes
 from geoscale_fx.site_model import AttentionSite, CacheWrite
 
 
@@ -83,3 +85,31 @@ def test_without_writes_the_sites_are_the_layers_one_to_one():
     model.y.layer_idx = 1
     with pytest.raises(ValueError, match=r"\[\('x', 1\), \('y', 1\)\] do not map one to one"):
         cache_layers(model, [_site("x", 0), _site("y", 1)], [], "test")
+
+
+class _Picky(nn.Module):
+    """A Hugging Face-like model (it has a ``generation_config``) that fails with its cache
+    in use, as Bamba's does at a size with no attention layer."""
+    generation_config = None
+
+    def forward(self, x, use_cache=False, **kwargs):
+        if use_cache:
+            raise ValueError("`get_seq_length` can only be called on Attention layers")
+        return 2 * x
+
+
+def test_a_model_failing_with_its_cache_is_traced_without_it(caplog):
+    model, calls = _Picky(), []
+
+    def trace(kwargs):
+        calls.append(kwargs)
+        return model(torch.ones(1), **kwargs)
+
+    with caplog.at_level(logging.INFO, logger="geoscale_fx"):
+        out = traced_with_writes(trace, model, {"a": 1}, "test")
+    assert calls == [{"a": 1, "use_cache": True}, {"a": 1, "use_cache": False}]
+    assert float(out) == 2.0 and "_Picky fails with its cache in use (ValueError" in caplog.text
+    plain, calls = nn.Identity(), []          # not a Hugging Face model: the call as given
+    assert float(traced_with_writes(lambda kw: calls.append(kw) or plain(torch.ones(1)),
+                                    plain, {"a": 1}, "test")) == 1.0
+    assert calls == [{"a": 1}]
