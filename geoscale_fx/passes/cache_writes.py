@@ -121,8 +121,11 @@ def cache_writes(gm: GraphModule, example_inputs: Sequence, sites: Sequence[Atte
             reasons.append(f"the attention {owners[0].name!r} its module holds does not read it")
         elif owners:
             write["site"] = owners[0].name
-            write["latent"] = any(o is not None and not (keys in _moved(o[0]) and (
-                o[1] is None or values in _moved(o[1]))) for o in operands)
+            # several calls of one attention (a shared block) own each other's writes too:
+            # the one reading this write reads it moved unless the cache holds a latent
+            write["latent"] = None not in operands and not any(
+                keys in _moved(o[0]) and (o[1] is None or values in _moved(o[1]))
+                for o in operands)
         out.append(CacheWrite(**write, reason="; ".join(reasons)))
     return out
 

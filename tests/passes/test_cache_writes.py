@@ -79,6 +79,34 @@ class Plain(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class Attention(nn.Module):
+    """Plain attention writing the cache layer it is told (a shared block's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(D)
+        self.q, self.k, self.v = (nn.Linear(D, H * DH) for _ in range(3))
+        self.o = nn.Linear(H * DH, D)
+
+    def forward(self, x, cache, layer: int):
+        h = self.norm(x)
+        q, k, v = (p(h).view(B, L, H, DH).transpose(1, 2) for p in (self.q, self.k, self.v))
+        k, v = cache.update(k, v, layer)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(out.transpose(1, 2).reshape(B, L, H * DH))
+
+
+class Shared(nn.Module):
+    """One attention module called at two layers (Zamba's shared block): two writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+
+    def forward(self, x, cache):
+        return self.attn(self.attn(x, cache, 0), cache, 1)
+
+
 class TwoReaders(nn.Module):
     """One write, two attentions of different names below the module that wrote it."""
 
@@ -179,3 +207,12 @@ def test_a_write_two_attentions_could_read_is_refused_with_both_names():
     assert write.site is None and "holds the attentions ['a', 'b']" in write.reason
     with pytest.raises(ValueError, match="cache layer 0"):
         write.require_values()
+
+
+def test_a_shared_block_called_twice_writes_two_layers_of_its_keys():
+    """Each call's write is read moved by that call's attention: neither is a latent (the
+    other call, of the same name, computes from it through the residual stream only)."""
+    sites, writes = _writes(Shared(), torch.randn(B, L, D))
+    assert [s.name for s in sites] == ["attn", "attn"]
+    assert [(w.layer, w.site, w.latent, w.reason) for w in writes] == [
+        (0, "attn", False, ""), (1, "attn", False, "")]
