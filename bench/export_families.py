@@ -27,7 +27,8 @@ directory, and per family:
   ``amax / (scale·448)`` over (layer, head, k/v): median and worst. The export's own report
   goes into the notes: the cache layers it wrote no scale for (a hybrid's linear-attention
   layers, named with their cache layer class) and the attentions whose cache holds a latent
-  (MLA: one scale for the whole entry). A cache layer the model wrote that has no scale is a
+  (MLA: one scale for the whole entry), and the attentions reusing another layer's cache
+  (KV sharing: that layer's k/v scales). A cache layer the model wrote that has no scale is a
   violation (above: written outside any exported attention).
 
 Each family runs under a time limit (SIGALRM) in this process, one after the other; a
@@ -286,6 +287,10 @@ def _export_notes(export) -> list[str]:
     if export.latent:
         notes.append(f"latent cache (one k/v scale, no q_scale): {len(export.latent)} "
                      "attention(s)")
+    if export.shared:
+        notes.append("k/v scales of the cache layer they reuse: " + ", ".join(
+            f"{name} → {layer}"
+            for name, layer in export.shared.items()))
     return notes
 
 

@@ -269,11 +269,11 @@ def _layer_resolvers(layer: CacheLayer, graphs: list[CapturedGraph],
     """Per graph the layer's parts are in: a resolver of graph nodes to values, its
     parameters read from the checkpoint (what the layer's bounds read, nothing else)."""
     wanted: dict[int, list[str]] = {}
-    for site in layer.sites:
+    for site in layer.sites + layer.readers:
         wanted.setdefault(site.graph, []).extend(
             n for t in site.terms for n in t.q.node_names)
-        if not layer.writes:
-            wanted[site.graph].extend(site.operand_nodes)
+    for site in layer.sites if not layer.writes else ():
+        wanted[site.graph].extend(site.operand_nodes)
     for write in layer.writes:
         wanted.setdefault(write.graph, []).extend(write.node_names)
     out = {}

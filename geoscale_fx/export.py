@@ -29,7 +29,10 @@ What a layer's cache holds decides the bound and the layout:
 * an attention that writes several cache layers (a shared block called by several
   layers): one set of scales, the max over them;
 * nothing (a hybrid's linear-attention and SSM layers, a layer reading another's cache):
-  no scale; ``KVScaleExport.not_cached`` names these cache layers. A scale is a divisor, as in compressed-tensors
+  no scale; ``KVScaleExport.not_cached`` names these cache layers. An attention that reads
+  another layer's cache (KV sharing, ``KVScaleExport.shared``) gets that layer's k/v scales
+  under its own name (an engine dequantizes what it reads with its own scales) and its own
+  q scale. A scale is a divisor, as in compressed-tensors
 (``scale = amax / (bit_range / 2)``, then ``x / scale``) and in vLLM's cache write
 (``fp8(x / k_scale)``), so ``|x / s| ≤ R_max`` for every entry whatever the input. The
 float32 value is rounded *up* from float64: rounding to nearest could land one ulp under
@@ -76,7 +79,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Union
 
@@ -131,6 +134,7 @@ class KVScaleExport:
     cache_layers: dict[int, str] = field(default_factory=dict)   # cache layer -> attention
     not_cached: dict[int, str] = field(default_factory=dict)     # cache layer -> why no scale
     latent: tuple[str, ...] = ()   # attentions whose cache holds a latent (one k/v scale)
+    shared: dict[str, int] = field(default_factory=dict)   # attention -> the layer it reuses
 
 
 def kv_cache_scheme(options: KVExportOptions) -> dict:
@@ -155,6 +159,9 @@ def scale_tensors(layers: list[LayerScales], options: KVExportOptions
     by_site: dict[str, list[LayerScales]] = {}
     for layer in layers:
         by_site.setdefault(layer.site, []).append(layer)
+        for name, q_bound in layer.readers:      # KV sharing: the layer's k/v, their own q
+            by_site.setdefault(name, []).append(replace(layer, site=name, q_bound=q_bound,
+                                                        readers=()))
     out = {}
     for site, group in by_site.items():
         bounds = {kind: _max_bound([getattr(l, f"{kind}_bound") for l in group])
@@ -183,11 +190,16 @@ def _max_bound(bounds: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _report(model: nn.Module, layers: list[LayerScales]) -> tuple[dict, dict, tuple]:
-    """``(cache layer -> attention, cache layer -> why no scale, latent attentions)``; the
-    cache layers no attention writes are named with the class of the layer the model's
-    cache has there (``LinearAttentionLayer``: a recurrent state, no keys or values)."""
+def _report(model: nn.Module, layers: list[LayerScales]) -> tuple[dict, dict, tuple, dict]:
+    """``(cache layer -> attention, cache layer -> why no scale, latent attentions,
+    attention -> the cache layer it reuses)``; the cache layers no attention writes are named
+    with the class of the layer the model's cache has there (``LinearAttentionLayer``: a
+    recurrent state, no keys or values; ``DummyLayer``: a layer reusing another's)."""
     written = {l.layer: l.site for l in layers}
+    shared = {name: l.layer for l in layers for name, _ in l.readers}
+    for name, layer in shared.items():
+        log.info("geoscale: export_kv_scales: %s reuses cache layer %d (KV sharing): its k/v "
+                 "scales are that layer's", name, layer)
     classes = cache_layer_classes(getattr(model, "config", None)) or []
     not_cached = {i: f"{cls}: written by no attention (holds no keys and values, or "
                      "another layer's)" for i, cls in enumerate(classes) if i not in written}
@@ -197,15 +209,15 @@ def _report(model: nn.Module, layers: list[LayerScales]) -> tuple[dict, dict, tu
     if latent:
         log.info("geoscale: export_kv_scales: %s cache a latent: one k/v scale for the whole "
                  "entry, no q_scale", ", ".join(latent))
-    return written, not_cached, latent
+    return written, not_cached, latent, shared
 
 
 def _check_module_paths(model: nn.Module, layers: list[LayerScales]) -> None:
-    for layer in layers:
+    for site in (name for l in layers for name in (l.site, *(n for n, _ in l.readers))):
         try:
-            model.get_submodule(layer.site)
+            model.get_submodule(site)
         except AttributeError:
-            raise ValueError(f"export_kv_scales: attention site {layer.site!r} is not a module "
+            raise ValueError(f"export_kv_scales: attention site {site!r} is not a module "
                              f"path of {type(model).__name__}, so it names no checkpoint entry "
                              "(pass the plain Hugging Face model, not a wrapper)") from None
 

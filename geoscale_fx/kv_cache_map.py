@@ -14,7 +14,11 @@ attention reading them) is one ``CacheLayer`` here:
   MLA layer stores its latent, one head (``latent``), bounded as such, not the keys and
   values the attention computes from it after the read;
 * the queries' bound is the reading attention's (every site of that name: a differential
-  attention's two softmaxes).
+  attention's two softmaxes);
+* ``readers``: attentions reading the layer's stored tensors without writing any (KV
+  sharing: Gemma 3n's last layers reuse earlier layers' keys and values). They hold no cache
+  layer of their own, but an engine dequantizes what they read with their own scales, so
+  they take the layer's k/v scales (``LayerScales.readers``, with their queries' bound).
 
 A forward whose trace holds no cache write at all (a model without a KV cache, one that
 keeps it outside ``Cache.update``, or one that fails with its cache in use at the traced
@@ -35,7 +39,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import torch
@@ -58,23 +62,12 @@ class CacheLayer:
     site: str                                # the scales' name: the reading attention's path
     sites: tuple[AttentionSite, ...]          # their queries' bound
     writes: tuple[CacheWrite, ...]            # empty: no write traced (the sites' own k and v)
+    #: attentions reading the layer without writing one (KV sharing): the same k/v scales
+    readers: tuple[AttentionSite, ...] = ()
 
     @property
     def latent(self) -> bool:
         return any(w.latent for w in self.writes)
-
-    @property
-    def q_nodes(self) -> tuple[str, ...]:
-        """Graph nodes the queries' bound reads."""
-        return tuple(dict.fromkeys(n for s in self.sites for t in s.terms
-                                   for n in t.q.node_names))
-
-    @property
-    def kv_nodes(self) -> tuple[str, ...]:
-        """Graph nodes the stored keys' and values' bounds read."""
-        if self.writes:
-            return tuple(dict.fromkeys(n for w in self.writes for n in w.node_names))
-        return tuple(dict.fromkeys(n for s in self.sites for n in s.operand_nodes))
 
 
 def traced_with_writes(trace: Callable[[dict], T], model: nn.Module, kwargs: dict, who: str
@@ -118,6 +111,9 @@ def cache_layers(model: nn.Module, sites: Sequence[AttentionSite],
                              f"{names}: its scales would have two names")
         out.append(CacheLayer(layer, names[0], tuple(s for s in sites if s.name == names[0]),
                               tuple(group)))
+    writers = {layer.site for layer in out}
+    out = [replace(layer, readers=tuple(s for s in sites if s.name not in writers and any(
+        s.name in w.readers for w in layer.writes))) for layer in out]
     for name in {layer.site for layer in out}:
         written = [layer.layer for layer in out if layer.site == name]
         calls = sum(s.name == name for s in sites)
@@ -125,12 +121,11 @@ def cache_layers(model: nn.Module, sites: Sequence[AttentionSite],
             raise ValueError(f"{who}: the attention {name!r} ({calls} call(s) in the trace) "
                              f"would read cache layers {written}: an attention writing some "
                              "of them was not found")
-    read = {layer.site for layer in out}
-    unwritten = [s.name for s in sites if s.name not in read]
-    if unwritten:
-        log.info("geoscale: %s: attentions %s write no cache layer of their own (they read "
-                 "another layer's, or nothing cached): no scales of theirs", who,
-                 sorted(set(unwritten)))
+    read = {s.name for layer in out for s in layer.sites + layer.readers}
+    unread = [s.name for s in sites if s.name not in read]
+    if unread:
+        log.info("geoscale: %s: attentions %s read no cache layer: no scales of theirs", who,
+                 sorted(set(unread)))
     return out
 
 
@@ -166,11 +161,14 @@ def layer_scales(layer: CacheLayer, q_of: Callable[[AttentionSite], torch.Tensor
     parts = [kv_of(w) for w in layer.writes] or [kv_of(s) for s in layer.sites]
     k = _max([p["k"] for p in parts], layer, "stored key", who)
     v = _max([p["v"] for p in parts], layer, "stored value", who)
-    if not all(bool(torch.isfinite(b).all()) for b in (q, k, v)):
+    names = dict.fromkeys(s.name for s in layer.readers)
+    readers = tuple((name, _max([q_of(s) for s in layer.readers if s.name == name], layer,
+                                "query", who)) for name in names)
+    if not all(bool(torch.isfinite(b).all()) for b in (q, k, v, *(b for _, b in readers))):
         raise ValueError(f"{who}: attention {layer.site!r}: its q/k/v bounds are not finite "
                          "(finite parameters, too large for float64); no FP8 scale can be "
                          "derived")
-    return LayerScales(layer.layer, layer.site, q, k, v, latent=layer.latent)
+    return LayerScales(layer.layer, layer.site, q, k, v, latent=layer.latent, readers=readers)
 
 
 def _max(bounds: list[torch.Tensor], layer: CacheLayer, what: str, who: str

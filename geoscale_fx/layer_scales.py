@@ -43,6 +43,10 @@ class LayerScales:
     k_bound: torch.Tensor          # (n_kv,): per stored head
     v_bound: torch.Tensor          # (n_kv,)
     latent: bool = False           # the cache holds a latent the attention expands (MLA)
+    #: attentions reading this layer's cache without writing one (KV sharing), with their
+    #: queries' bound ``(n_q,)``: an engine dequantizes what they read with their own k/v
+    #: scales, which must be this layer's
+    readers: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def scales(self, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_scale, v_scale)`` float32 ``(n_kv,)``: bound / R_max (a divisor); for

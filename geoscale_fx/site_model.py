@@ -210,6 +210,9 @@ class CacheWrite:
     #: the stored tensors are not the attention's keys and values (moved, never computed):
     #: the attention computes them from what it reads (MLA's ``kv_b_proj``)
     latent: bool = False
+    #: other attentions reading the stored keys and values moved without writing them (KV
+    #: sharing: Gemma 3n's later layers reuse an earlier layer's cache)
+    readers: tuple[str, ...] = ()
     reason: str = ""
     _resolve: Optional[Callable[[str], torch.Tensor]] = field(default=None, repr=False,
                                                               compare=False)

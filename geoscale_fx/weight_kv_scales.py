@@ -83,7 +83,8 @@ def _reads(graph: CapturedGraph, node_names) -> list[int]:
 def _layer_reads(graphs: list[CapturedGraph], layer: CacheLayer
                  ) -> list[tuple[str, int, list[int]]]:
     """``(site name, graph, input positions)`` of what the layer's bounds read."""
-    parts = [(s.graph, [n for t in s.terms for n in t.q.node_names]) for s in layer.sites]
+    parts = [(s.graph, [n for t in s.terms for n in t.q.node_names])
+             for s in layer.sites + layer.readers]
     parts += [(w.graph, list(w.node_names)) for w in layer.writes]
     if not layer.writes:
         parts += [(s.graph, list(s.operand_nodes)) for s in layer.sites]

@@ -39,16 +39,18 @@ def test_a_latent_cache_is_compared_whole_and_an_unwritten_layer_is_a_violation(
 
 
 def test_the_exports_report_goes_into_the_notes():
-    """Cache layers without a scale, by index and cache layer class; latent caches counted."""
+    """Cache layers without a scale, by index and cache layer class; latent caches counted;
+    attentions reusing a layer's cache, with that layer."""
     from types import SimpleNamespace
 
     export = SimpleNamespace(not_cached={2: "LinearAttentionLayer: written by no attention",
                                          0: "DummyLayer: written by no attention"},
-                             latent=("m.1.attn",))
+                             latent=("m.1.attn",), shared={"m.layers.3.attn": 1})
     assert _export_notes(export) == [
         "no scale for cache layers 0 (DummyLayer), 2 (LinearAttentionLayer)",
-        "latent cache (one k/v scale, no q_scale): 1 attention(s)"]
-    assert _export_notes(SimpleNamespace(not_cached={}, latent=())) == []
+        "latent cache (one k/v scale, no q_scale): 1 attention(s)",
+        "k/v scales of the cache layer they reuse: m.layers.3.attn → 1"]
+    assert _export_notes(SimpleNamespace(not_cached={}, latent=(), shared={})) == []
 
 
 def test_outcomes_refused_only_for_geoscales_own_value_errors():

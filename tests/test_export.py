@@ -76,6 +76,19 @@ def test_an_attention_writing_several_layers_takes_their_max():
         _smallest_f32_at_least(5 / 448), _smallest_f32_at_least(2 / 448)]
 
 
+def test_an_attention_reusing_a_layers_cache_gets_its_kv_scales_and_its_own_q():
+    """KV sharing (Gemma 3n): an engine dequantizes what ``m.3.attn`` reads from layer 1's
+    cache with m.3's own k/v scales: they must be layer 1's."""
+    b = lambda *v: torch.tensor(v, dtype=torch.float64)                    # noqa: E731
+    layer = export.LayerScales(1, "m.1.attn", b(1.0), b(9.0), b(3.0),
+                               readers=(("m.3.attn", b(448.0)),))
+    out = scale_tensors([layer], KVExportOptions())
+    assert sorted(out) == [f"m.{i}.attn.{k}_scale" for i in (1, 3) for k in "kqv"]
+    for kind in "kv":
+        assert torch.equal(out[f"m.3.attn.{kind}_scale"], out[f"m.1.attn.{kind}_scale"])
+    assert float(out["m.3.attn.q_scale"]) == 1.0 and float(out["m.1.attn.q_scale"]) < 1.0
+
+
 def test_quantization_config_is_a_kv_cache_only_compressed_tensors_config():
     config = quantization_config(KVExportOptions(strategy="head"))
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "dense"

@@ -13,7 +13,7 @@ bit, and the scales must bound what the model itself caches on random prompts an
 adversarial one (the token of largest embedding norm, repeated): per cache layer, the layer's
 writer found by watching ``Cache.update`` (``bench.export_families``), independently of
 geoscale's mapping. ``kv_cache="fp8"`` generation on the MLA model stays close to the
-unquantized greedy output.
+unquantized greedy output. Layers reusing another layer's cache (Gemma 3n) take its k/v scales.
 """
 from __future__ import annotations
 
@@ -72,6 +72,24 @@ def test_both_routes_bound_what_the_model_caches(model_type, tmp_path):
     ratios, violations, more = compare_with_cache(got.tensors, layers)
     assert not notes and violations == 0 and not more, more
     assert ratios and max(ratios) <= 1 and min(ratios) > 0.01
+
+
+def test_layers_reusing_anothers_cache_get_its_kv_scales(tmp_path):
+    """Gemma 3n's last layers reuse the keys and values of the last layer of their type
+    (``DummyLayer`` cache layers): no cache layer of their own, but their attentions read
+    entries stored with that layer's scales, so their k/v scales are that layer's."""
+    torch.manual_seed(0)
+    model = hf_configs.tiny_model("gemma3n_text").eval()
+    ids = hf_configs.token_inputs(model, seq_len=8)["input_ids"]
+    got = export_kv_scales(model, tmp_path, input_ids=ids, strategy="head")
+    path = "model.layers.{}.self_attn".format
+    assert got.cache_layers == {0: path(0), 1: path(1)} and sorted(got.not_cached) == [2, 3]
+    assert got.shared == {path(2): 0, path(3): 1}
+    for reader, layer in got.shared.items():
+        for kind in "kv":
+            assert torch.equal(got.tensors[f"{reader}.{kind}_scale"],
+                               got.tensors[f"{path(layer)}.{kind}_scale"])
+        assert f"{reader}.q_scale" in got.tensors
 
 
 def test_fp8_generate_on_mla_stays_close_to_the_unquantized_output():

@@ -59,6 +59,18 @@ def test_layer_bounds_are_the_max_over_its_parts_and_keep_the_latent_flag():
         layer_scales(layer, lambda s: _t(float("inf")), lambda w: kv[0], "test")
 
 
+def test_an_attention_reusing_a_layers_cache_takes_its_kv_bounds_with_its_own_queries():
+    """KV sharing: ``b`` reads what ``a`` stored in layer 0 and writes nothing."""
+    a, b = _site("a", 0), _site("b", 1)
+    (layer,) = cache_layers(nn.Module(), [a, b], [_write(0, "a", readers=("b",))], "test")
+    assert layer.sites == (a,) and layer.readers == (b,)
+    q = {0: _t(1.0, 2.0), 1: _t(7.0, 3.0)}
+    out = layer_scales(layer, lambda s: q[s.index], lambda w: {"k": _t(4.0), "v": _t(5.0)},
+                       "test")
+    assert torch.equal(out.q_bound, q[0]) and out.readers[0][0] == "b"
+    assert torch.equal(out.readers[0][1], q[1])
+
+
 def test_refusals_name_the_layer():
     a, b = _site("a", 0), _site("b", 1)
     with pytest.raises(ValueError, match=r"test: cache layer 2, written by `a`: "

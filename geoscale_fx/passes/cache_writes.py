@@ -19,6 +19,8 @@ there. So a cache layer's bounds must be those of the tensors handed to ``update
   on its module stack holding sites of one name: ``model.layers.3.self_attn``, or CPM-Ant's
   attention holding its ``softmax`` site), whose name the layer's scales take and whose key
   or value operand the stored tensors must reach;
+* ``readers``: other attentions reading the stored tensors moved without writing them (KV
+  sharing), which must dequantize them with this layer's scales;
 * ``latent``: the stored tensors are not that attention's key and value operands moved
   (views, copies, concatenation with earlier cache entries): the attention computes from
   them — engines then store both in one latent entry with one scale (vLLM's MLA cache).
@@ -115,17 +117,15 @@ def cache_writes(gm: GraphModule, example_inputs: Sequence, sites: Sequence[Atte
             except Unsupported as exc:
                 reasons.append(f"the stored {role} `{stored.name}` cannot be bounded from the "
                                f"weights ({exc})")
-        operands = [_operands(candidates.get(s.node)) for s in owners]
-        if owners and not any(keys in _upstream(o) or values in _upstream(o)
-                              for o in operands if o is not None) and None not in operands:
-            reasons.append(f"the attention {owners[0].name!r} its module holds does not read it")
-        elif owners:
-            write["site"] = owners[0].name
-            # several calls of one attention (a shared block) own each other's writes too:
-            # the one reading this write reads it moved unless the cache holds a latent
-            write["latent"] = None not in operands and not any(
-                keys in _moved(o[0]) and (o[1] is None or values in _moved(o[1]))
-                for o in operands)
+        if owners:
+            operands = [_operands(candidates.get(s.node)) for s in owners]
+            if _read(keys, values, operands):
+                write["site"] = owners[0].name
+                write["latent"] = _latent(keys, values, operands)
+                write["readers"] = _sharing(keys, values, own, owners, candidates)
+            else:
+                reasons.append(f"the attention {owners[0].name!r} its module holds does not "
+                               "read it")
         out.append(CacheWrite(**write, reason="; ".join(reasons)))
     return out
 
@@ -200,8 +200,34 @@ def _operands(cand: Optional[Candidate]) -> Optional[tuple[Node, Optional[Node]]
     return cand.key, value_operand(cand)
 
 
-def _upstream(operands: tuple[Node, Optional[Node]]) -> set[Node]:
-    return set(upstream([n for n in operands if n is not None]))
+def _read(keys: Node, values: Node, operands: list) -> bool:
+    """Some owner's key or value operand is computed from what was stored (an owner whose
+    operands are not named is taken to read it)."""
+    return None in operands or any(
+        keys in found or values in found
+        for found in (set(upstream([n for n in o if n is not None])) for o in operands))
+
+
+def _latent(keys: Node, values: Node, operands: list) -> bool:
+    """No owner reads the stored keys and values moved: the attention computes its operands
+    from them. Several calls of one attention (a shared block) own each other's writes:
+    the call that reads this one reads it moved unless the cache holds a latent."""
+    return None not in operands and not any(
+        keys in _moved(o[0]) and (o[1] is None or values in _moved(o[1])) for o in operands)
+
+
+def _sharing(keys: Node, values: Node, sites: Sequence[AttentionSite],
+             owners: Sequence[AttentionSite], candidates: dict) -> tuple[str, ...]:
+    """Names of the other attentions whose key and value operands are the stored tensors
+    moved (KV sharing: a later layer reusing this one's cache)."""
+    names = {s.name for s in owners}
+    out = []
+    for site in sites:
+        o = _operands(candidates.get(site.node))
+        if site.name not in names and o is not None and keys in _moved(o[0]) and (
+                o[1] is None or values in _moved(o[1])):
+            out.append(site.name)
+    return tuple(dict.fromkeys(out))
 
 
 def _moved(node: Node) -> set[Node]:

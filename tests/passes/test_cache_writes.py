@@ -107,6 +107,32 @@ class Shared(nn.Module):
         return self.attn(self.attn(x, cache, 0), cache, 1)
 
 
+class Producer(nn.Module):
+    """Writes cache layer 0 and hands its keys and values on (Gemma 3n's KV sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.v, self.reader = nn.Linear(D, H * DH), nn.Linear(D, H * DH), Reader()
+
+    def forward(self, h, cache):
+        k, v = (p(h).view(B, L, H, DH).transpose(1, 2) for p in (self.k, self.v))
+        k, v = cache.update(k, v, 0)
+        return self.reader(h, k, v), k, v
+
+
+class Sharing(nn.Module):
+    """``later`` reuses the keys and values ``first`` stored, writing nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.first, self.later = nn.RMSNorm(D), Producer(), Reader()
+
+    def forward(self, x, cache):
+        h = self.norm(x)
+        out, k, v = self.first(h, cache)
+        return out + self.later(h, k, v)
+
+
 class TwoReaders(nn.Module):
     """One write, two attentions of different names below the module that wrote it."""
 
@@ -216,3 +242,10 @@ def test_a_shared_block_called_twice_writes_two_layers_of_its_keys():
     assert [s.name for s in sites] == ["attn", "attn"]
     assert [(w.layer, w.site, w.latent, w.reason) for w in writes] == [
         (0, "attn", False, ""), (1, "attn", False, "")]
+
+
+def test_an_attention_reusing_anothers_cache_is_its_reader():
+    sites, (write,) = _writes(Sharing(), torch.randn(B, L, D))
+    assert sorted(s.name for s in sites) == ["first.reader", "later"]
+    assert (write.site, write.readers, write.latent) == ("first.reader", ("later",), False)
+    assert _writes(Plain(), torch.randn(B, L, D))[1][0].readers == ()
