@@ -2,10 +2,9 @@
 
 A cache layer's scales must bound what the layer stores, and only the forward knows what
 that is. The model is traced with its cache in use and its writes marked
-(``traced_with_writes``: ``kv_cache_layers.marked_cache_writes`` marks ``Cache.update``); each
-write
-(``passes.cache_writes``: its layer index, the sides of the stored keys and values, the
-attention reading them) is one ``CacheLayer`` here:
+(``traced_with_writes``: ``kv_cache_layers.marked_cache_writes`` marks ``Cache.update``);
+each write (``passes.cache_writes``: its layer index, the sides of the stored keys and
+values, the attention reading them) is one ``CacheLayer`` here:
 
 * ``layer`` is the index the model wrote (``update``'s ``layer_idx``): a hybrid's
   linear-attention and SSM layers are written by no attention and get no scale; a shared
@@ -22,9 +21,9 @@ attention reading them) is one ``CacheLayer`` here:
 
 A forward whose trace holds no cache write at all (a model without a KV cache, one that
 keeps it outside ``Cache.update``, or one that fails with its cache in use at the traced
-size) has its attention sites as layers: what an engine's cache
-would store are their keys and values, at the module's ``layer_idx`` (execution order
-otherwise), one to one onto ``0..n-1``.
+size) has its attention sites as layers: what an engine's cache would store are their keys
+and values, at the module's ``layer_idx`` (execution order otherwise), one to one onto
+``0..n-1``.
 
 Refusals (``ValueError``, naming the layer): a write that cannot be bounded or whose reader
 is ambiguous, one layer written by two attentions or with differing head counts, an
@@ -40,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence, TypeVar, Union
+from typing import Callable, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -111,22 +110,28 @@ def cache_layers(model: nn.Module, sites: Sequence[AttentionSite],
                              f"{names}: its scales would have two names")
         out.append(CacheLayer(layer, names[0], tuple(s for s in sites if s.name == names[0]),
                               tuple(group)))
+    _check_calls(out, sites, who)
     writers = {layer.site for layer in out}
     out = [replace(layer, readers=tuple(s for s in sites if s.name not in writers and any(
         s.name in w.readers for w in layer.writes))) for layer in out]
-    for name in {layer.site for layer in out}:
-        written = [layer.layer for layer in out if layer.site == name]
-        calls = sum(s.name == name for s in sites)
-        if len(written) > calls:       # one call of an attention writes one cache layer
-            raise ValueError(f"{who}: the attention {name!r} ({calls} call(s) in the trace) "
-                             f"would read cache layers {written}: an attention writing some "
-                             "of them was not found")
     read = {s.name for layer in out for s in layer.sites + layer.readers}
     unread = [s.name for s in sites if s.name not in read]
     if unread:
         log.info("geoscale: %s: attentions %s read no cache layer: no scales of theirs", who,
                  sorted(set(unread)))
     return out
+
+
+def _check_calls(layers: list[CacheLayer], sites: Sequence[AttentionSite], who: str) -> None:
+    """One call of an attention writes one cache layer: an attention reading more layers
+    than it is called reads some whose own attention was not found."""
+    for name in {layer.site for layer in layers}:
+        written = [layer.layer for layer in layers if layer.site == name]
+        calls = sum(s.name == name for s in sites)
+        if len(written) > calls:
+            raise ValueError(f"{who}: the attention {name!r} ({calls} call(s) in the trace) "
+                             f"would read cache layers {written}: an attention writing some "
+                             "of them was not found")
 
 
 def _site_layers(model: nn.Module, sites: Sequence[AttentionSite], who: str
@@ -172,7 +177,7 @@ def layer_scales(layer: CacheLayer, q_of: Callable[[AttentionSite], torch.Tensor
 
 
 def _max(bounds: list[torch.Tensor], layer: CacheLayer, what: str, who: str
-         ) -> Optional[torch.Tensor]:
+         ) -> torch.Tensor:
     if len({tuple(b.shape) for b in bounds}) != 1:
         raise ValueError(f"{who}: cache layer {layer.layer} ({layer.site!r}): its {what} "
                          f"bounds have differing head counts {[tuple(b.shape) for b in bounds]}")
