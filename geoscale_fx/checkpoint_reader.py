@@ -76,16 +76,20 @@ class CheckpointReader:
                     return value
         return torch.get_default_dtype()
 
+    def _by_file(self, names: Iterable[str]) -> list[tuple[str, list[str]]]:
+        """``names`` (each once, in order) grouped by the file holding them, files sorted."""
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in dict.fromkeys(names):
+            by_file[self.file_of(name)].append(name)
+        return sorted(by_file.items())
+
     def metas(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """``{name: meta tensor of its stored shape and dtype}`` from the files' headers (no
         data); each file opened once."""
         from safetensors import safe_open
 
-        by_file: dict[str, list[str]] = defaultdict(list)
-        for name in dict.fromkeys(names):
-            by_file[self.file_of(name)].append(name)
         out = {}
-        for file, file_names in sorted(by_file.items()):
+        for file, file_names in self._by_file(names):
             path = self.directory / file
             with safe_open(str(path), framework="pt") as f:
                 for name in file_names:
@@ -102,11 +106,8 @@ class CheckpointReader:
         ``finite=False`` skips the NaN/inf check (buffers such as masks hold -inf)."""
         from safetensors import safe_open
 
-        by_file: dict[str, list[str]] = defaultdict(list)
-        for name in dict.fromkeys(names):
-            by_file[self.file_of(name)].append(name)
         out = {}
-        for file, file_names in sorted(by_file.items()):
+        for file, file_names in self._by_file(names):
             path = self.directory / file
             if not path.exists():
                 raise ValueError(f"checkpoint {self.directory}: tensor {file_names[0]!r} is "

@@ -62,8 +62,7 @@ from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.hf_configs import causal_lm_class, token_inputs
 from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, traced_with_writes
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.cache_writes import cache_writes
+from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, upstream
@@ -206,13 +205,7 @@ def checkpoint_layer_scales(directory: Union[str, os.PathLike]
     reader = CheckpointReader(directory)
     model, keys = _meta_model(directory, reader)
     graphs = traced_graphs(model)
-    sites, writes = [], []
-    for index, graph in enumerate(graphs):
-        found = analyze_graph(graph.gm, graph.example_inputs, graph_index=index,
-                              first_index=len(sites))
-        sites += found
-        if all(s.supported for s in found):
-            writes += cache_writes(graph.gm, graph.example_inputs, found, index)
+    sites, writes = sites_and_cache_writes(graphs)
     if not sites:
         raise ValueError(f"export_kv_scales: no attention found in {type(model).__name__} "
                          f"({directory})")

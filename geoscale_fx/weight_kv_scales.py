@@ -32,8 +32,7 @@ from geoscale_fx import amax
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, traced_with_writes
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.cache_writes import cache_writes
+from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.graph_ops import upstream
 from geoscale_fx.scaling import NonFiniteWeights
@@ -137,13 +136,7 @@ class WeightKVScales:
         return self
 
     def _analyze(self) -> None:
-        sites, writes = [], []
-        for index, graph in enumerate(self._graphs):
-            found = analyze_graph(graph.gm, graph.example_inputs, graph_index=index,
-                                  first_index=len(sites))
-            sites += found
-            if all(s.supported for s in found):
-                writes += cache_writes(graph.gm, graph.example_inputs, found, index)
+        sites, writes = sites_and_cache_writes(self._graphs)
         if not sites:
             raise ValueError(f"kv_cache: no attention found in {type(self.model).__name__}")
         for site in sites:

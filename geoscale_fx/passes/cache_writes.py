@@ -41,7 +41,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import has_side_effect
 
-from geoscale_fx.passes.analyze import NodeOrder
+from geoscale_fx.passes.analyze import NodeOrder, analyze_graph
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
@@ -59,7 +59,7 @@ from geoscale_fx.passes.value_side import value_operand
 from geoscale_fx.site_model import AttentionSite, CacheWrite
 from geoscale_fx.site_terms import Side
 
-__all__ = ["cache_write", "is_cache_write", "cache_writes"]
+__all__ = ["cache_write", "is_cache_write", "cache_writes", "sites_and_cache_writes"]
 
 
 @torch.library.custom_op("geoscale_fx::cache_write", mutates_args=())
@@ -235,3 +235,18 @@ def _moved(node: Node) -> set[Node]:
     def moves(n: Node) -> bool:
         return op_of(n) in DATA_MOVEMENT or op_of(n) in VALUE_CASTS
     return set(upstream([node], moves))
+
+
+def sites_and_cache_writes(graphs) -> tuple[list[AttentionSite], list[CacheWrite]]:
+    """The attention sites of captured ``graphs`` (each with ``gm`` and ``example_inputs``,
+    numbered across graphs) and the cache writes of the graphs whose sites are all
+    supported."""
+    sites: list[AttentionSite] = []
+    writes: list[CacheWrite] = []
+    for index, graph in enumerate(graphs):
+        found = analyze_graph(graph.gm, graph.example_inputs, graph_index=index,
+                              first_index=len(sites))
+        sites += found
+        if all(s.supported for s in found):
+            writes += cache_writes(graph.gm, graph.example_inputs, found, index)
+    return sites, writes
