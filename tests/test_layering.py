@@ -29,7 +29,7 @@ LAYERS = {
     "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "value_radius": MATH, "version_record": MATH, "paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
     "site_terms": DATA, "site_model": DATA, "recipes": DATA, "option_rules": DATA,
-    "config": DATA, "state": DATA, "layer_scales": DATA,
+    "config": DATA, "state": DATA, "layer_scales": DATA, "kv_refusals": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
     "head_weights": NUMERICS, "relative_rope_bound": NUMERICS, "logit_bounds": NUMERICS,
     "amax": NUMERICS, "estimators": NUMERICS,
