@@ -31,7 +31,9 @@ never loaded:
    ``ValueError`` naming it and its file), substituted for the meta parameters, the bounds
    evaluated (``amax.site_amax_bounds`` for the queries, a chunk of heads at a time, see
    ``_q_by_head_chunks``; ``amax.cache_write_bounds`` for what is stored), and the tensors
-   dropped before the next layer.
+   dropped before the next layer. A cache layer refused by the analysis
+   (``kv_cache_map.plan_cache_layers``) is refused before this step: its tensors are never
+   read (``partial=True`` leaves it out, as ``export_kv_scales`` does by default).
 
 Peak memory is the trace (about 0.5 GB with torch and transformers) plus one layer's
 q/k/v tensors and their float64 per-head copies: 0.9 to 1.3 GB measured for Llama-3.1-8B and
@@ -41,15 +43,15 @@ parameter dtype, as ``from_pretrained`` casts), same functions.
 
 Example::
 
-    model, layers = checkpoint_layer_scales("ckpt")     # model: on meta
-    [(s.site, s.k_bound.shape) for s in layers]
+    scales = checkpoint_layer_scales("ckpt")       # scales.model: on meta
+    [(s.site, s.k_bound.shape) for s in scales.layers]
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Union
 
 import torch
@@ -60,7 +62,10 @@ from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.hf_configs import causal_lm_class, token_inputs
-from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, traced_with_writes
+from geoscale_fx.kv_cache_map import (
+    CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
+)
+from geoscale_fx.kv_refusals import LayerRefusal, remedy, with_remedy
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
@@ -69,7 +74,7 @@ from geoscale_fx.passes.graph_ops import ValueKinds, upstream
 from geoscale_fx.site_model import AttentionSite, CacheWrite
 from geoscale_fx.weightless import ConstantProducts, weightless
 
-__all__ = ["checkpoint_layer_scales", "meta_model", "traced_graphs"]
+__all__ = ["CheckpointScales", "checkpoint_layer_scales", "meta_model", "traced_graphs"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -183,11 +188,11 @@ def traced_graphs(model: nn.Module) -> list[CapturedGraph]:
                 inputs, "export_kv_scales")
         except Exception as exc:
             shape = tuple(inputs["input_ids"].shape)
-            raise ValueError(f"export_kv_scales: {type(model).__name__} fails on token ids "
-                             f"alone (input_ids {shape}) with its weights standing in as "
-                             "zeros, so its attention cannot be traced without loading it "
-                             "(export_kv_scales(model, out_dir, ids) traces a loaded model): "
-                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
+            said = (f"export_kv_scales: {type(model).__name__} fails on token ids alone "
+                    f"(input_ids {shape}) with its weights standing in as zeros, so its "
+                    "attention cannot be traced without loading it")
+            raise ValueError(f"{said}: {type(exc).__name__}: {_first_line(exc).rstrip('.')}. "
+                             f"{remedy(said)}") from exc
     for graph in graphs:
         graph.example_inputs = [originals.get(id(v), v) for v in graph.example_inputs]
     return graphs
@@ -198,26 +203,36 @@ def _first_line(exc: Exception) -> str:
     return lines[0] if lines else ""
 
 
-def checkpoint_layer_scales(directory: Union[str, os.PathLike]
-                            ) -> tuple[nn.Module, list[LayerScales]]:
-    """``(meta model, per written cache layer bounds, in layer order)`` of a saved
-    checkpoint."""
+@dataclass(frozen=True)
+class CheckpointScales:
+    """A checkpoint's bounds: its model (on meta), per bounded cache layer its bounds in
+    layer order, and the cache layers refused from the trace (none were read)."""
+    model: nn.Module
+    layers: list[LayerScales]
+    refused: tuple[LayerRefusal, ...] = ()
+
+
+def checkpoint_layer_scales(directory: Union[str, os.PathLike], *, partial: bool = False
+                            ) -> CheckpointScales:
+    """The bounds of every cache layer a saved checkpoint writes, its weights streamed.
+
+    Every refusal is decided from the trace, before the first tensor is read: strict
+    (default), any refusal is a ``ValueError``; ``partial=True``, a refused cache layer is
+    left out, named in ``refused`` and in a warning, and its tensors are never read
+    (``kv_cache_map.CachePlan.settle``)."""
     reader = CheckpointReader(directory)
     model, keys = _meta_model(directory, reader)
     graphs = traced_graphs(model)
     sites, writes = sites_and_cache_writes(graphs)
     if not sites:
-        raise ValueError(f"export_kv_scales: no attention found in {type(model).__name__} "
-                         f"({directory})")
-    for site in sites:                     # every refusal before the first tensor is read
-        _require_supported(site)
-    layers = cache_layers(model, sites, writes, "export_kv_scales")
-    for site in (s for layer in layers if not layer.writes for s in layer.sites):
-        _require_values(site)
+        raise ValueError(with_remedy(f"export_kv_scales: no attention found in "
+                                     f"{type(model).__name__} ({directory})"))
+    plan = plan_cache_layers(model, sites, writes, "export_kv_scales")
+    plan.settle("export_kv_scales", partial)
     names = _parameter_names(model)
     kinds: dict[int, ValueKinds] = {}
     out = []
-    for layer in layers:
+    for layer in plan.layers:
         resolvers = _layer_resolvers(layer, graphs, kinds, names, keys)
 
         def q_of(site: AttentionSite, resolvers=resolvers) -> torch.Tensor:
@@ -231,7 +246,7 @@ def checkpoint_layer_scales(directory: Union[str, os.PathLike]
         out.append(layer_scales(layer, q_of, kv_of, "export_kv_scales"))
     log.info("geoscale: export_kv_scales: %d cache layers of %s bounded from %s", len(out),
              type(model).__name__, directory)
-    return model, out
+    return CheckpointScales(model, out, plan.refused)
 
 
 def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
@@ -241,19 +256,6 @@ def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
                     *model.named_buffers(remove_duplicate=False)]:
         out.setdefault(id(t), []).append(name)
     return out
-
-
-def _require_supported(site: AttentionSite) -> None:
-    if not site.supported:
-        raise ValueError(f"export_kv_scales: attention {site.name!r} cannot be bounded from "
-                         f"the weights ({site.reason})")
-
-
-def _require_values(site: AttentionSite) -> None:
-    if site.value is None:
-        raise ValueError(f"export_kv_scales: attention {site.name!r}: the values could not be "
-                         f"traced to their projection ({site.value_reason}), so v_scale "
-                         "cannot be predicted")
 
 
 def _layer_resolvers(layer: CacheLayer, graphs: list[CapturedGraph],

@@ -62,9 +62,19 @@ def _export_table(export) -> str:
     return tabulate(list(rows.values()), headers="keys")
 
 
+def _left_at_default(export) -> list[str]:
+    """One line per cache layer left out of the file, with why and what would bound it."""
+    if not export.left_at_default:
+        return []
+    return [f"\n{len(export.left_at_default)} left without scales (a serving engine uses its "
+            "default scale for them, 1.0 in vLLM; --all-or-nothing refuses instead):",
+            *(f"  {refusal.describe()}" for refusal in export.left_at_default.values())]
+
+
 def _export_kv_scales(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    options = dict(strategy=args.strategy, include_q=not args.no_q)
+    options = dict(strategy=args.strategy, include_q=not args.no_q,
+                   all_or_nothing=args.all_or_nothing)
     try:
         if os.path.isdir(args.model):     # traced weightless, weights streamed layer by layer
             export = export_kv_scales(args.model, args.out, **options)
@@ -78,6 +88,8 @@ def _export_kv_scales(args: argparse.Namespace) -> int:
         print(f"geoscale export-kv-scales: {exc}", file=sys.stderr)
         return 2
     print(_export_table(export))
+    for line in _left_at_default(export):
+        print(line)
     print(f"\n{len(export.tensors)} tensors ({args.strategy}) in "
           + ", ".join(str(f) for f in export.files)
           + ("; merged into the checkpoint" if export.merged else ""))
@@ -115,6 +127,10 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--size", choices=("small", "full"), default="small",
                    help="models_zoo paper architectures: scaled-down or full size")
     e.add_argument("--no-q", action="store_true", help="write k_scale/v_scale only")
+    e.add_argument("--all-or-nothing", action="store_true",
+                   help="refuse the export (exit 2, nothing written) if any cache layer "
+                        "cannot be bounded from the weights; by default such a layer is "
+                        "left out, named, and the others are written")
     return parser
 
 

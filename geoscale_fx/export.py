@@ -32,7 +32,17 @@ What a layer's cache holds decides the bound and the layout:
   no scale; ``KVScaleExport.not_cached`` names these cache layers. An attention that reads
   another layer's cache (KV sharing, ``KVScaleExport.shared``) gets that layer's k/v scales
   under its own name (an engine dequantizes what it reads with its own scales) and its own
-  q scale. A scale is a divisor, as in compressed-tensors
+  q scale;
+* something the weights do not bound (``kv_refusals``: an unnormalized projection input, a
+  term from the caller's inputs, a convolution over tokens …): the layer is refused, from
+  the trace alone, and left out of the file — engines load k/v scales per layer and use
+  their default for a missing one (1.0 in vLLM) — while the other layers keep their scales
+  under their own names and indices. A warning names each such layer, its attention, why,
+  and what would make it bounded, and ``KVScaleExport.left_at_default`` lists them.
+  ``all_or_nothing=True`` (``--all-or-nothing``) makes any refusal a ``ValueError``; with
+  no layer left it is one anyway.
+
+A scale is a divisor, as in compressed-tensors
 (``scale = amax / (bit_range / 2)``, then ``x / scale``) and in vLLM's cache write
 (``fp8(x / k_scale)``), so ``|x / s| ≤ R_max`` for every entry whatever the input. The
 float32 value is rounded *up* from float64: rounding to nearest could land one ulp under
@@ -63,8 +73,9 @@ Two routes to the same bounds:
   ``ValueError`` naming it and its file, and nothing is written. The scales are
   bit-identical to the first route on ``from_pretrained("ckpt")``.
 
-Every refusal (above, an unbounded attention, another ``quant_method`` in ``config.json``, a
-scale name held by another file) comes before the first file is written.
+Every refusal (above, another ``quant_method`` in ``config.json``, a scale name held by
+another file; a refused layer under ``all_or_nothing``) comes before the first file is
+written.
 
 Example::
 
@@ -89,6 +100,7 @@ from torch import nn
 from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
 from geoscale_fx.kv_cache_layers import cache_layer_classes
+from geoscale_fx.kv_refusals import LayerRefusal
 from geoscale_fx.layer_scales import LayerScales, scale_from_bound
 from geoscale_fx.weight_kv_scales import WeightKVScales
 
@@ -125,8 +137,9 @@ class KVExportOptions:
 @dataclass(frozen=True)
 class KVScaleExport:
     """What was written: the tensors by checkpoint name, the config, the files; and the
-    report: which cache layer each attention's scales bound, which cache layers have none
-    and why, which attentions' caches hold a latent."""
+    report: which cache layer each attention's scales bound, which cache layers hold no keys
+    and values, which were refused (left at the engine's default scale) and why, which
+    attentions' caches hold a latent."""
     tensors: dict[str, torch.Tensor]
     quantization_config: dict
     files: tuple[Path, ...]
@@ -135,6 +148,9 @@ class KVScaleExport:
     not_cached: dict[int, str] = field(default_factory=dict)     # cache layer -> why no scale
     latent: tuple[str, ...] = ()   # attentions whose cache holds a latent (one k/v scale)
     shared: dict[str, int] = field(default_factory=dict)   # attention -> the layer it reuses
+    #: cache layer (a KV-sharing reader: its name) -> why its scales are not in the file:
+    #: refused by the analysis, left at the engine's default scale (1.0 in vLLM)
+    left_at_default: dict[Union[int, str], LayerRefusal] = field(default_factory=dict)
 
 
 def kv_cache_scheme(options: KVExportOptions) -> dict:
@@ -190,26 +206,30 @@ def _max_bound(bounds: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _report(model: nn.Module, layers: list[LayerScales]) -> tuple[dict, dict, tuple, dict]:
+def _report(model: nn.Module, layers: list[LayerScales], refused: tuple[LayerRefusal, ...]
+            ) -> tuple[dict, dict, tuple, dict, dict]:
     """``(cache layer -> attention, cache layer -> why no scale, latent attentions,
-    attention -> the cache layer it reuses)``; the cache layers no attention writes are named
-    with the class of the layer the model's cache has there (``LinearAttentionLayer``: a
-    recurrent state, no keys or values; ``DummyLayer``: a layer reusing another's)."""
+    attention -> the cache layer it reuses, cache layer -> its refusal)``; the cache layers
+    no attention writes are named with the class of the layer the model's cache has there
+    (``LinearAttentionLayer``: a recurrent state, no keys or values; ``DummyLayer``: a layer
+    reusing another's). A refused layer is named among the refusals only."""
     written = {l.layer: l.site for l in layers}
+    left = {r.layer: r for r in refused if r.layer is not None}
     shared = {name: l.layer for l in layers for name, _ in l.readers}
     for name, layer in shared.items():
         log.info("geoscale: export_kv_scales: %s reuses cache layer %d (KV sharing): its k/v "
                  "scales are that layer's", name, layer)
     classes = cache_layer_classes(getattr(model, "config", None)) or []
     not_cached = {i: f"{cls}: written by no attention (holds no keys and values, or "
-                     "another layer's)" for i, cls in enumerate(classes) if i not in written}
+                     "another layer's)" for i, cls in enumerate(classes)
+                  if i not in written and i not in left}
     latent = tuple(dict.fromkeys(l.site for l in layers if l.latent))
     for i, why in not_cached.items():
         log.info("geoscale: export_kv_scales: cache layer %d has no scale (%s)", i, why)
     if latent:
         log.info("geoscale: export_kv_scales: %s cache a latent: one k/v scale for the whole "
                  "entry, no q_scale", ", ".join(latent))
-    return written, not_cached, latent, shared
+    return written, not_cached, latent, shared, left
 
 
 def _check_module_paths(model: nn.Module, layers: list[LayerScales]) -> None:
@@ -278,7 +298,7 @@ def _write_index(out_dir: Path, index: dict) -> Path:
 def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
                      out_dir: Union[str, os.PathLike, None] = None, *example_inputs,
                      strategy: str = "tensor", fmt: str = "e4m3", include_q: bool = True,
-                     **example_kwargs) -> KVScaleExport:
+                     all_or_nothing: bool = False, **example_kwargs) -> KVScaleExport:
     """Write the k/v (and q) scales, bound / R_max, as compressed-tensors does.
 
     ``model`` is either
@@ -291,24 +311,32 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
       works; no example inputs; ``out_dir`` defaults to the directory (merged into it). A
       missing or non-finite tensor among those read is a ``ValueError`` naming it.
 
-    Every attention must be bounded from the weights, else ``ValueError``. Every check runs
-    before the first file is written: a refusal writes nothing.
+    A cache layer that cannot be bounded from the weights is left out of the file (engines
+    load it at their default scale, 1.0 in vLLM), with a warning naming it, its attention,
+    why and what would make it bounded, and listed in ``KVScaleExport.left_at_default``;
+    the others keep their scales under their own names. ``all_or_nothing=True``: any refused
+    layer is a ``ValueError``. With no layer left, a ``ValueError`` either way. Every check
+    runs before the first file is written: a refusal writes nothing.
     """
     options = KVExportOptions(strategy=strategy, fmt=fmt, include_q=include_q)
+    partial = not all_or_nothing
     if isinstance(model, (str, os.PathLike)):
         if example_inputs or example_kwargs:
             raise ValueError("export_kv_scales: a checkpoint directory is traced without its "
                              "weights on its own example ids; example inputs are for an "
                              "in-memory model")
         out_dir = model if out_dir is None else out_dir
-        model, layers = checkpoint_layer_scales(model)
+        scales = checkpoint_layer_scales(model, partial=partial)
+        model, layers, refused = scales.model, scales.layers, scales.refused
     else:
         if out_dir is None:
             raise ValueError("export_kv_scales: out_dir is needed for an in-memory model")
+        source = WeightKVScales(model, partial=partial, who="export_kv_scales")
         with torch.no_grad():
-            layers = WeightKVScales(model).capture(*example_inputs, **example_kwargs).layers()
+            layers = source.capture(*example_inputs, **example_kwargs).layers()
+        refused = source.refused
     _check_module_paths(model, layers)
-    return _write(layers, options, Path(out_dir), _report(model, layers))
+    return _write(layers, options, Path(out_dir), _report(model, layers, refused))
 
 
 def _write(layers: list[LayerScales], options: KVExportOptions, out: Path,

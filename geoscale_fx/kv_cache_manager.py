@@ -71,8 +71,12 @@ class KVCacheManager:
         """A fresh FP8 cache with the scales of the current weights (capturing the model on
         first use with ``example_ids``)."""
         if not self.source.captured:
-            with torch.no_grad():
-                self.source.capture(example_ids[..., : min(example_ids.shape[-1], 8)])
+            try:
+                with torch.no_grad():
+                    self.source.capture(example_ids[..., : min(example_ids.shape[-1], 8)])
+            except ValueError as exc:      # a refusal: say how to run the model meanwhile
+                raise ValueError(f"{exc} Meanwhile kv_cache=None runs this model with its "
+                                 "cache unquantized.") from exc
         layers = self.source.layers()
         if not self.saturated:
             self.saturated = [torch.zeros(2, dtype=torch.int64) for _ in layers]

@@ -30,7 +30,10 @@ from torch import nn
 
 from geoscale_fx import amax
 from geoscale_fx.capture import CapturedGraph, capture_graphs
-from geoscale_fx.kv_cache_map import CacheLayer, cache_layers, layer_scales, traced_with_writes
+from geoscale_fx.kv_cache_map import (
+    CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
+)
+from geoscale_fx.kv_refusals import LayerRefusal, with_remedy
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
@@ -99,12 +102,18 @@ class WeightKVScales:
     in-place update, a new storage, or a parameter replaced by another tensor of the same
     name: the traced graph is then re-analysed on the new tensors, without a forward pass).
     Every attention must be supported, every stored tensor traced to the weights, and every
-    parameter the bounds read finite: otherwise a ``ValueError`` names the site or layer and
-    the reason, or the parameter (never a silent default scale).
+    parameter the bounds read finite: otherwise a ``ValueError`` names the site or layer, the
+    reason and its remedy, or the parameter (never a silent default scale). ``partial=True``
+    (``export_kv_scales``' default, never the FP8 cache of ``generate``) leaves the refused
+    cache layers out instead, with a warning (``kv_cache_map.CachePlan.settle``), and lists
+    them in ``refused``; ``who`` prefixes the refusals.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, partial: bool = False, who: str = "kv_cache"):
         self.model = model
+        self.partial = partial
+        self.who = who
+        self.refused: tuple[LayerRefusal, ...] = ()   # the plan's refusals (partial only)
         self._graphs: Optional[list[CapturedGraph]] = None
         self._names: list[dict[int, str]] = []      # per graph: input position -> tensor name
         self._sites: Optional[list] = None
@@ -122,7 +131,7 @@ class WeightKVScales:
         try:     # apply_ routes __call__ through geoscale: trace the plain model
             graphs = traced_with_writes(
                 lambda kw: capture_graphs(self.model, *args, **kw), self.model, kwargs,
-                "kv_cache")
+                self.who)
         finally:
             self.model._compiled_call_impl = compiled
         names = _tensor_names(self.model)
@@ -131,25 +140,19 @@ class WeightKVScales:
                         if id(v) in names} for g in graphs]
         self._analyze()
         self._signature = None
-        log.info("geoscale: kv_cache: %d cache layers of %d attention sites traced for k/v "
-                 "scales", len(self._cache_layers), len(self._sites))
+        log.info("geoscale: %s: %d cache layers of %d attention sites traced for k/v scales",
+                 self.who, len(self._cache_layers), len(self._sites))
         return self
 
     def _analyze(self) -> None:
         sites, writes = sites_and_cache_writes(self._graphs)
         if not sites:
-            raise ValueError(f"kv_cache: no attention found in {type(self.model).__name__}")
-        for site in sites:
-            if not site.supported:
-                raise ValueError(f"kv_cache: attention {site.name!r} cannot be bounded from "
-                                 f"the weights ({site.reason}), so its k/v scales cannot be "
-                                 "predicted; use kv_cache=None for this model")
-        layers = cache_layers(self.model, sites, writes, "kv_cache")
-        for site in (s for layer in layers if not layer.writes for s in layer.sites):
-            if site.value is None:
-                raise ValueError(f"kv_cache: attention {site.name!r}: the values could not "
-                                 f"be traced to their projection ({site.value_reason}), so "
-                                 "v_scale cannot be predicted; use kv_cache=None")
+            raise ValueError(with_remedy(f"{self.who}: no attention found in "
+                                         f"{type(self.model).__name__}"))
+        plan = plan_cache_layers(self.model, sites, writes, self.who)
+        plan.settle(self.who, self.partial)
+        layers = list(plan.layers)
+        self.refused = plan.refused
         self._sites, self._cache_layers, self._layers = sites, layers, None
         self._reads = [r for layer in layers for r in _layer_reads(self._graphs, layer)]
 
@@ -176,7 +179,7 @@ class WeightKVScales:
         for graph, names in zip(self._graphs, self._names):
             for i, name in names.items():
                 if name not in live:
-                    raise ValueError(f"kv_cache: {name!r}, read by the traced model, is no "
+                    raise ValueError(f"{self.who}: {name!r}, read by the traced model, is no "
                                      f"longer in {type(self.model).__name__}; capture again")
                 if live[name] is not graph.example_inputs[i]:
                     graph.example_inputs[i] = live[name]
@@ -219,4 +222,4 @@ class WeightKVScales:
                 return amax.cache_write_bounds(part)
             return amax.site_amax_bounds(part, roles="kv")
 
-        return [layer_scales(layer, q_of, kv_of, "kv_cache") for layer in self._cache_layers]
+        return [layer_scales(layer, q_of, kv_of, self.who) for layer in self._cache_layers]

@@ -37,7 +37,7 @@ def test_legacy_layout_is_read_under_its_stored_names(tmp_path, monkeypatch):
         return read(self, names, finite)
 
     monkeypatch.setattr(CheckpointReader, "read", recording)
-    _, layers = checkpoint_layer_scales(ckpt)
+    layers = checkpoint_layer_scales(ckpt).layers
     assert [s.site for s in layers] == [f"model.language_model.layers.{i}.self_attn"
                                         for i in range(2)]
     assert reads and set(reads) <= stored

@@ -37,7 +37,8 @@ def scales(ckpt):
 
 
 def test_layers_in_order_on_a_meta_model(scales):
-    model, layers = scales
+    model, layers = scales.model, scales.layers
+    assert scales.refused == ()
     assert all(p.device.type == "meta" for p in model.parameters())
     assert [(s.layer, s.site) for s in layers] == [(0, "transformer.h.0.attn"),
                                                    (1, "transformer.h.1.attn")]
@@ -50,7 +51,7 @@ def test_bounds_are_the_entry_formula_from_the_saved_tensors(ckpt, scales):
     from safetensors.torch import load_file
 
     t = {k: v.double() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
-    for s in scales[1]:
+    for s in scales.layers:
         p = f"transformer.h.{s.layer}."
         w, b = t[p + "attn.c_attn.weight"], t[p + "attn.c_attn.bias"]        # (d, 3d) Conv1D
         g, beta = t[p + "ln_1.weight"], t[p + "ln_1.bias"]
@@ -74,7 +75,7 @@ def test_eager_q_k_v_of_the_loaded_model_stay_under_the_bounds(ckpt, scales):
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(input_ids=ids)
-    for s in scales[1]:
+    for s in scales.layers:
         qkv = seen[s.layer].reshape(4, 32, 3, H, DH).abs().amax(dim=(0, 1, 4))   # (3, H)
         for observed, bound in zip(qkv, (s.q_bound, s.k_bound, s.v_bound)):
             assert bool((observed.double() <= bound).all())

@@ -239,9 +239,12 @@ def test_unbounded_attention_is_refused_before_any_tensor_is_read(tmp_path, monk
     model.save_pretrained(tmp_path / "ckpt", max_shard_size="20KB")
     calls = _record_reads(monkeypatch)
     before = _files(tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"cache layer 0, written by "
-                                         r"`model.layers.0.self_attn`: the stored values `\w+` "
-                                         r"cannot be bounded from the weights \(no "
-                                         r"normalization before the projection"):
+    said = (r"cache layer 0 \(`model.layers.0.self_attn`\): the stored values `\w+` cannot be "
+            r"bounded from the weights \(no normalization before the projection .+\)\. The "
+            r"projection's input is neither normalized")
+    with pytest.raises(ValueError, match=said + r".* No cache layer can be bounded \(2 "
+                                                 r"refused\): there is nothing to export\.$"):
         export_kv_scales(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=said + r".* \(1 more refused\.\)$"):
+        export_kv_scales(tmp_path / "ckpt", all_or_nothing=True)
     assert calls == [] and _files(tmp_path / "ckpt") == before

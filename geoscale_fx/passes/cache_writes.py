@@ -239,14 +239,14 @@ def _moved(node: Node) -> set[Node]:
 
 def sites_and_cache_writes(graphs) -> tuple[list[AttentionSite], list[CacheWrite]]:
     """The attention sites of captured ``graphs`` (each with ``gm`` and ``example_inputs``,
-    numbered across graphs) and the cache writes of the graphs whose sites are all
-    supported."""
+    numbered across graphs) and their cache writes, those of graphs holding a refused site
+    included: each cache layer is refused or kept on its own (``kv_cache_map``), so the
+    layers of a supported attention keep their scales beside a refused one's."""
     sites: list[AttentionSite] = []
     writes: list[CacheWrite] = []
     for index, graph in enumerate(graphs):
         found = analyze_graph(graph.gm, graph.example_inputs, graph_index=index,
                               first_index=len(sites))
         sites += found
-        if all(s.supported for s in found):
-            writes += cache_writes(graph.gm, graph.example_inputs, found, index)
+        writes += cache_writes(graph.gm, graph.example_inputs, found, index)
     return sites, writes
