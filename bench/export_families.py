@@ -6,8 +6,12 @@ directory, and per family:
 
 * **streamed**: ``export_kv_scales(ckpt_dir, out, strategy="head")``, the route of
   ``geoscale export-kv-scales CKPT`` (the model traced on the meta device, only the tensors
-  the bounds read streamed from the checkpoint). ``refused``: a ``ValueError`` raised by
-  geoscale itself (its first line is the reason); ``crashed``: any other exception (its type
+  the bounds read streamed from the checkpoint). ``exported``: every cache layer holding
+  keys and values has its scales; ``partial``: some were refused and left out
+  (``KVScaleExport.left_at_default``: a serving engine runs them at its default scale, 1.0
+  in vLLM), the others exported — the row counts them and gives the first refusal's
+  reason; ``refused``: a ``ValueError`` raised by geoscale itself (its first line is the
+  reason: no layer left, or nothing to trace); ``crashed``: any other exception (its type
   and last line);
 * **in-memory**: ``export_kv_scales(from_pretrained(ckpt_dir), out, input_ids=ids)`` on the
   same checkpoint, exported or refused likewise; a streamed refusal or crash where this route
@@ -22,6 +26,8 @@ directory, and per family:
   layer and kv head, ``max |entry|`` is compared with ``scale·448`` of the module that wrote
   it (per head where the cache has as many heads as the scale; otherwise, as for an MLA
   latent cache, the whole layer's maximum against the largest scale, and the row says so).
+  A layer a partial export left out is not compared (it has no scale); its writer is
+  still watched, so that no other layer's entries are taken for it.
   ``violated``: an export some entry exceeds by more than ``TOLERANCE`` (relative), or a
   cache layer with entries that no exported module wrote. The range used is observed
   ``amax / (scale·448)`` over (layer, head, k/v): median and worst. The export's own report
@@ -58,7 +64,8 @@ from tabulate import tabulate
 from bench.families import (_FamilyTimeout, _last_line, _quiet, _short, _time_limit,
                             adversarial_inputs)
 
-__all__ = ["family_row", "cached_amax", "compare_with_cache", "summary", "main"]
+__all__ = ["family_row", "checkpoint_row", "cached_amax", "compare_with_cache", "summary",
+           "main"]
 
 log = logging.getLogger("bench")
 
@@ -71,9 +78,9 @@ IN_MEMORY_LEN = 8
 
 def _empty_row(model_type: str) -> dict:
     return {"family": model_type, "streamed": None, "in-memory": None, "streamed only": False,
-            "same scales": None, "layers": None, "checks": None, "violations": None,
-            "range median": None, "range worst": None, "notes": "", "seconds": None,
-            "reason": "", "in-memory reason": ""}
+            "same scales": None, "layers": None, "left at 1.0": None, "checks": None,
+            "violations": None, "range median": None, "range worst": None, "notes": "",
+            "seconds": None, "reason": "", "in-memory reason": ""}
 
 
 def _outcome(exc: BaseException) -> tuple[str, str]:
@@ -94,12 +101,23 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else _last_line(exc)
 
 
+#: the outcomes of an export that wrote scales
+WROTE = ("exported", "partial")
+
+
 def _export(target, out: Path, **kwargs):
-    """``(outcome, reason, KVScaleExport | None)`` of one ``export_kv_scales`` call."""
+    """``(outcome, reason, KVScaleExport | None)`` of one ``export_kv_scales`` call:
+    ``partial`` with the first left-out layer's refusal when some were left out."""
     from geoscale_fx.export import export_kv_scales
 
     try:
-        return "exported", "", export_kv_scales(target, out, strategy="head", **kwargs)
+        export = export_kv_scales(target, out, strategy="head", **kwargs)
+        left = list(export.left_at_default.values())
+        if left:
+            first = left[0]
+            return "partial", (f"{len(left)} left at 1.0, first {first.layer} "
+                               f"(`{first.site}`): {first.reason}"), export
+        return "exported", "", export
     except _FamilyTimeout:
         raise
     except Exception as exc:  # noqa: BLE001 — a family's failure is a row
@@ -265,12 +283,17 @@ def _load(ckpt: Path, **kwargs):
 
 
 def _check_cache(row: dict, ckpt: Path, export) -> None:
-    """Fill the cache columns of ``row`` from the model loaded from ``ckpt``."""
+    """Fill the cache columns of ``row`` from the model loaded from ``ckpt``; the layers a
+    partial export left out are watched (their writers named) but not compared."""
     model = _load(ckpt, attn_implementation="eager")
     sites = sorted({n.rsplit(".", 1)[0] for n in export.tensors})
-    layers, notes = cached_amax(model, sites, _prompts(model))
+    left = {r.layer: r.site for r in export.left_at_default.values()}
+    watched = sorted({*sites, *left.values()})
+    layers, notes = cached_amax(model, watched, _prompts(model))
+    layers = {i: entry for i, entry in layers.items() if i not in left}
     ratios, violations, more = compare_with_cache(export.tensors, layers)
-    row.update({"layers": len(sites), "checks": len(ratios), "violations": violations,
+    row.update({"layers": len(sites), "left at 1.0": len(left), "checks": len(ratios),
+                "violations": violations,
                 "range median": statistics.median(ratios) if ratios else None,
                 "range worst": max(ratios) if ratios else None})
     row["notes"] = "; ".join(dict.fromkeys(notes + more + _export_notes(export)))
@@ -279,8 +302,13 @@ def _check_cache(row: dict, ckpt: Path, export) -> None:
 
 
 def _export_notes(export) -> list[str]:
-    """The export's report: cache layers without a scale, and latent caches."""
+    """The export's report: cache layers holding no keys and values, those left at 1.0 and
+    why (a partial export), latent caches and KV sharing."""
     notes = []
+    if export.left_at_default:
+        notes.append("left at 1.0 (refused): " + "; ".join(
+            f"{layer} (`{r.site}`: {_short(r.reason, 80)})"
+            for layer, r in export.left_at_default.items()))
     if export.not_cached:
         notes.append("no scale for cache layers " + ", ".join(
             f"{i} ({why.split(':')[0]})" for i, why in sorted(export.not_cached.items())))
@@ -305,6 +333,14 @@ def _run_family(row: dict, model_type: str, work: Path) -> None:
     ckpt = work / "ckpt"
     model.save_pretrained(ckpt)
     del model
+    checkpoint_row(row, ckpt, work)
+
+
+def checkpoint_row(row: dict, ckpt: Path, work: Path) -> None:
+    """Fill ``row`` from the saved checkpoint ``ckpt``: both routes' exports, compared with
+    each other and with what the model caches (see the module docstring)."""
+    from geoscale_fx import hf_configs
+
     row["streamed"], row["reason"], streamed = _export(ckpt, work / "streamed")
     row["reason"] = row["reason"].replace(str(ckpt), "CKPT")
     loaded = _load(ckpt)
@@ -312,9 +348,10 @@ def _run_family(row: dict, model_type: str, work: Path) -> None:
     row["in-memory"], row["in-memory reason"], in_memory = _export(
         loaded, work / "in-memory", input_ids=ids)
     del loaded
-    row["streamed only"] = row["streamed"] != "exported" and row["in-memory"] == "exported"
+    row["streamed only"] = row["streamed"] not in WROTE and row["in-memory"] in WROTE
     if streamed is not None and in_memory is not None:
-        row["same scales"] = _same_scales(streamed, in_memory)
+        row["same scales"] = _same_scales(streamed, in_memory) and \
+            streamed.left_at_default.keys() == in_memory.left_at_default.keys()
     if streamed is not None:
         _check_cache(row, ckpt, streamed)
 
@@ -334,7 +371,7 @@ def family_row(model_type: str, timeout: int = 180) -> dict:
             row["notes"] = "; ".join(filter(None, [row["notes"], (
                 f"timeout: over the {timeout} s limit" if timed_out
                 else f"sweep step failed: {type(exc).__name__}: {_last_line(exc)}")]))
-            if row["streamed"] in (None, "exported"):
+            if row["streamed"] in (None, *WROTE):
                 row["streamed"] = "error"
             log.debug("%s:\n%s", model_type, traceback.format_exc())
         finally:
@@ -345,22 +382,25 @@ def family_row(model_type: str, timeout: int = 180) -> dict:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Counts of the streamed outcomes, streamed-only refusals, and scale mismatches."""
+    """Counts of the streamed outcomes, the cache layers partial exports left at 1.0,
+    streamed-only refusals, and scale mismatches."""
     counts = Counter(r["streamed"] for r in rows)
     return {"families": len(rows), **{k: counts.get(k, 0) for k in (
-        "exported", "violated", "refused", "crashed", "error", "not built")},
+        "exported", "partial", "violated", "refused", "crashed", "error", "not built")},
+            "left at 1.0": sum(r["left at 1.0"] or 0 for r in rows),
             "streamed only": sum(r["streamed only"] for r in rows),
             "scales differ": sum(r["same scales"] is False for r in rows),
-            "in-memory exported": sum(r["in-memory"] == "exported" for r in rows)}
+            "in-memory exported": sum(r["in-memory"] in WROTE for r in rows)}
 
 
 def _summary_line(s: dict) -> str:
     return (f"{s['families']} families: streamed export {s['exported']} exported and "
-            f"certified, {s['violated']} violated, {s['refused']} refused, {s['crashed']} "
+            f"certified, {s['partial']} partial (certified, {s['left at 1.0']} cache layers "
+            f"left at 1.0), {s['violated']} violated, {s['refused']} refused, {s['crashed']} "
             f"crashed, {s['error']} sweep errors, {s['not built']} not built; "
             f"{s['streamed only']} refused or crashed where the in-memory route exports "
-            f"({s['in-memory exported']} exported in memory); {s['scales differ']} with "
-            "scales differing from the in-memory route's")
+            f"({s['in-memory exported']} exported in memory, whole or partial); "
+            f"{s['scales differ']} with scales differing from the in-memory route's")
 
 
 def _fmt(x) -> str | None:
@@ -376,7 +416,8 @@ def _table_rows(rows: list[dict]) -> list[dict]:
         out.append({"family": r["family"], "streamed": r["streamed"],
                     "in-memory": r["in-memory"],
                     "same": {True: "yes", False: "NO", None: None}[r["same scales"]],
-                    "layers": r["layers"], "checks": r["checks"],
+                    "layers": r["layers"], "left 1.0": r["left at 1.0"] or None,
+                    "checks": r["checks"],
                     "viol.": r["violations"], "range med": _fmt(r["range median"]),
                     "range worst": _fmt(r["range worst"]), "s": r["seconds"],
                     "reason / notes": _short(reason, 110)})
@@ -399,7 +440,7 @@ def _markdown(rows: list[dict], line: str, seconds: float) -> str:
              f"torch {torch.__version__}, strategy=\"head\", {PROMPTS} random prompts and an "
              f"adversarial one of {SEQ_LEN} tokens, {seconds:.0f} s in all.\n\n"
              f"**Summary**: {line}\n\n{table}\n"]
-    for outcome in ("refused", "crashed", "error"):
+    for outcome in ("partial", "refused", "crashed", "error"):
         groups = _grouped(rows, outcome)
         if groups:
             parts.append(f"\n## {outcome.capitalize()}, by reason\n\n" + "\n".join(
@@ -436,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     line = _summary_line(summary(rows))
     print(tabulate(_table_rows(rows), headers="keys", missingval=""))
-    for outcome in ("refused", "crashed", "error"):
+    for outcome in ("partial", "refused", "crashed", "error"):
         for reason, families in _grouped(rows, outcome):
             print(f"{outcome} {len(families)}× {reason}: {', '.join(families)}")
     print(f"\n{line}\n{seconds:.0f} s in all")

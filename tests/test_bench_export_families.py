@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.export_families import (_export_notes, _outcome, cached_amax, compare_with_cache,
-                                   family_row)
+from bench.export_families import (_export_notes, _outcome, cached_amax, checkpoint_row,
+                                   compare_with_cache, family_row, summary)
 
 pytest.importorskip("transformers")
 
@@ -43,14 +43,19 @@ def test_the_exports_report_goes_into_the_notes():
     attentions reusing a layer's cache, with that layer."""
     from types import SimpleNamespace
 
+    from geoscale_fx.kv_refusals import LayerRefusal
+
     export = SimpleNamespace(not_cached={2: "LinearAttentionLayer: written by no attention",
                                          0: "DummyLayer: written by no attention"},
-                             latent=("m.1.attn",), shared={"m.layers.3.attn": 1})
+                             latent=("m.1.attn",), shared={"m.layers.3.attn": 1},
+                             left_at_default={4: LayerRefusal(4, "m.4.attn", "why")})
     assert _export_notes(export) == [
+        "left at 1.0 (refused): 4 (`m.4.attn`: why)",
         "no scale for cache layers 0 (DummyLayer), 2 (LinearAttentionLayer)",
         "latent cache (one k/v scale, no q_scale): 1 attention(s)",
         "k/v scales of the cache layer they reuse: m.layers.3.attn → 1"]
-    assert _export_notes(SimpleNamespace(not_cached={}, latent=(), shared={})) == []
+    assert _export_notes(SimpleNamespace(not_cached={}, latent=(), shared={},
+                                         left_at_default={})) == []
 
 
 def test_outcomes_refused_only_for_geoscales_own_value_errors():
@@ -86,3 +91,27 @@ def test_family_row_exports_llama_within_its_scales():
     row = family_row("llama")
     assert row["streamed"] == row["in-memory"] == "exported" and row["same scales"]
     assert row["violations"] == 0 and 0 < row["range worst"] <= 1 and row["checks"] > 0
+
+
+def test_a_partial_export_is_its_own_outcome_checked_on_the_layers_it_wrote(tmp_path):
+    """OLMo-hybrid with layers full/linear/full: cache layer 2's attention reads an input
+    the weights do not bound (tests/test_partial_export.py), so the export is ``partial``:
+    one layer left at 1.0, layer 0 compared with what the model caches (its kv heads, k and
+    v), layer 2 — written by the refused attention — not compared, and no violation."""
+    from bench.export_families import _empty_row
+    from geoscale_fx import hf_configs
+
+    config = hf_configs.tiny_config("olmo_hybrid", per_kind=1)
+    config.layer_types = ["full_attention", "linear_attention", "full_attention"]
+    config.num_hidden_layers = 3
+    hf_configs.model_from_config(config).save_pretrained(tmp_path / "ckpt")
+    row = _empty_row("olmo_hybrid")
+    checkpoint_row(row, tmp_path / "ckpt", tmp_path)
+    assert row["streamed"] == row["in-memory"] == "partial" and row["same scales"]
+    assert row["reason"].startswith("1 left at 1.0, first 2 (`model.layers.2.self_attn`): "
+                                    "the stored values")
+    assert row["left at 1.0"] == 1 and row["layers"] == 1
+    assert row["checks"] == 2 * config.num_key_value_heads and row["violations"] == 0
+    assert "left at 1.0 (refused): 2 (`model.layers.2.self_attn`" in row["notes"]
+    counts = summary([row, {**row, "streamed": "exported", "left at 1.0": 0}])
+    assert (counts["partial"], counts["exported"], counts["left at 1.0"]) == (1, 1, 1)
