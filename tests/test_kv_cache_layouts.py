@@ -1,4 +1,4 @@
-"""KV-cache scales for caches that do not hold the attention's keys per layer 0..n-1.
+"""KV-cache scales for every cache layout: what each layer stores, per layer 0..n-1 or not.
 
 * **MLA** (``deepseek_v3``): transformers caches the compressed latent — keys slot ``kv_c``
   after ``kv_a_layernorm`` ``(B, 1, L, r)``, values slot the rotated ``k_pe`` ``(B, 1, L,
@@ -7,6 +7,13 @@
   ``k_scale``), no ``q_scale``.
 * **A hybrid** (``qwen3_next``: ``layer_types`` linear, full): only cache layer 1 holds keys
   and values; layer 0 (a ``LinearAttentionLayer``) gets no scale and the export names it.
+* **Dense GQA** (``llama`` with 2 kv heads for 4 query heads): one k/v scale per stored kv
+  head, one q scale per query head.
+* **Sliding window** (``gemma2``, window 4 under prompts of 32: layer 0 is a sliding-window
+  cache layer that drops entries, layer 1 a full one).
+* **QK-norm** (``qwen3``: keys bounded by the ``k_norm`` gain alone) and **biased
+  projections** (``qwen2``: q/k/v biases), their norm gains and biases drawn at random (a
+  fresh model has gains 1 and biases 0, which would not exercise them).
 
 Each family's tiny model is saved; the streamed export must equal the in-memory one bit for
 bit, and the scales must bound what the model itself caches on random prompts and the
@@ -17,7 +24,9 @@ unquantized greedy output. Layers reusing another layer's cache (Gemma 3n) take 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -26,17 +35,62 @@ import geoscale_fx
 from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx import hf_configs
 from geoscale_fx.export import export_kv_scales
+from geoscale_fx.kv_cache_layers import cache_layer_classes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo
 
-#: model type -> (cache layers holding keys, cache layers holding none, latent)
-LAYOUTS = {"deepseek_v3": ([0, 1], [], True), "qwen3_next": ([1], [0], False)}
+
+@dataclass(frozen=True)
+class Layout:
+    """A saved tiny model of ``model_type`` (its shrunk config, ``config`` overriding) and
+    what its cache holds: the layers holding keys, those holding none, a latent or not;
+    ``has`` checks that the model is what the case claims (a feature of its own)."""
+    model_type: str
+    written: list[int]
+    has: Callable[[torch.nn.Module], bool]
+    unwritten: list[int] = field(default_factory=list)
+    latent: bool = False
+    config: dict = field(default_factory=dict)
+    random_vectors: bool = False       # norm gains and biases drawn at random
 
 
-def _saved(model_type: str, path: Path) -> Path:
-    torch.manual_seed(0)
-    hf_configs.tiny_model(model_type).save_pretrained(path)
+def _attn(model, i: int = 0):
+    return model.model.layers[i].self_attn
+
+
+def _fewer_kv_heads(model) -> bool:
+    return model.config.num_key_value_heads < model.config.num_attention_heads
+
+
+LAYOUTS = {
+    "deepseek_v3": Layout("deepseek_v3", [0, 1], lambda m: _attn(m).kv_a_layernorm is not None,
+                          latent=True),
+    "qwen3_next": Layout("qwen3_next", [1], lambda m: "LinearAttentionLayer" in
+                         cache_layer_classes(m.config)[0], unwritten=[0]),
+    "llama_gqa": Layout("llama", [0, 1], _fewer_kv_heads, config={"num_key_value_heads": 2}),
+    "gemma2_sliding": Layout("gemma2", [0, 1], lambda m: "Sliding" in cache_layer_classes(
+        m.config)[0] and "Sliding" not in cache_layer_classes(m.config)[1],
+                             config={"sliding_window": 4}),
+    "qwen3_qk_norm": Layout("qwen3", [0, 1], lambda m: _attn(m).k_norm.weight.std() > 0.1,
+                            random_vectors=True),
+    "qwen2_bias": Layout("qwen2", [0, 1], lambda m: _attn(m).k_proj.bias.abs().min() > 0,
+                         random_vectors=True),
+}
+
+
+def _saved(layout: Layout, path: Path) -> Path:
+    config = hf_configs.tiny_config(layout.model_type, per_kind=1)
+    for name, value in layout.config.items():
+        setattr(config, name, value)
+    model = hf_configs.model_from_config(config, seed=0)
+    if layout.random_vectors:
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in (p for p in model.parameters() if p.dim() == 1):
+                p.copy_(torch.empty(p.shape).uniform_(-1.5, 1.5, generator=generator))
+    assert layout.has(model)
+    model.save_pretrained(path)
     return path
 
 
@@ -45,10 +99,11 @@ def _loaded(path: Path, **kwargs):
     return hf_configs.causal_lm_class(config).from_pretrained(path, **kwargs).eval()
 
 
-@pytest.mark.parametrize("model_type", sorted(LAYOUTS))
-def test_both_routes_bound_what_the_model_caches(model_type, tmp_path):
-    written, unwritten, latent = LAYOUTS[model_type]
-    ckpt = _saved(model_type, tmp_path / "ckpt")
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_both_routes_bound_what_the_model_caches(case, tmp_path):
+    layout = LAYOUTS[case]
+    written, unwritten, latent = layout.written, layout.unwritten, layout.latent
+    ckpt = _saved(layout, tmp_path / "ckpt")
     got = export_kv_scales(ckpt, tmp_path / "streamed", strategy="head")
     model = _loaded(ckpt)
     ids = hf_configs.token_inputs(model, seq_len=8)["input_ids"]
@@ -60,13 +115,19 @@ def test_both_routes_bound_what_the_model_caches(model_type, tmp_path):
     assert got.latent == (tuple(sites) if latent else ())
     kinds = "kv" if latent else "kvq"
     assert sorted(got.tensors) == sorted(f"{s}.{k}_scale" for s in sites for k in kinds)
+    assert got.left_at_default == {}
+    eager = _loaded(ckpt, attn_implementation="eager")
     if latent:              # one scale per layer for the whole latent entry
         for site in sites:
             k, v = got.tensors[f"{site}.k_scale"], got.tensors[f"{site}.v_scale"]
             assert k.shape == (1, 1, 1) and torch.equal(k, v)
-    else:
-        assert "LinearAttentionLayer" in got.not_cached[0]
-    eager = _loaded(ckpt, attn_implementation="eager")
+    else:                   # one scale per stored kv head, one per query head
+        config = eager.config
+        for site in sites:
+            assert got.tensors[f"{site}.k_scale"].shape == (config.num_key_value_heads, 1, 1)
+            assert got.tensors[f"{site}.q_scale"].shape == (config.num_attention_heads, 1, 1)
+    for i in unwritten:
+        assert "LinearAttentionLayer" in got.not_cached[i]
     layers, notes = cached_amax(eager, sites, _prompts(eager))
     assert sorted(i for i, e in layers.items() if e["k"] is not None) == written
     ratios, violations, more = compare_with_cache(got.tensors, layers)
