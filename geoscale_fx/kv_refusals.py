@@ -11,8 +11,8 @@ layer — says the same thing about the same form. A form without a known remedy
 ``GENERIC_REMEDY``, an honest line naming the tool that shows the node.
 
 ``LayerRefusal`` is one refused cache layer (plain data): the export leaves it out of the
-scales file and says so (serving engines load k/v scales per layer and default a missing one
-to 1.0); the runtime raises its ``message``.
+scales file and says so (serving engines load k/v scales per layer; vLLM's default for a
+missing one is 1.0); the runtime raises its ``message``.
 
 Example::
 
@@ -51,14 +51,15 @@ REMEDIES: tuple[tuple[str, str], ...] = (
      "the attentions the analysis finds in the traced forward."),
     (r"no attention found",
      "State-space and recurrent models (Mamba, RWKV, xLSTM) cache a state, not keys and "
-     "values: there is nothing to scale. If the model does have attention, it is none of the "
-     f"recognized forms ({_FORMS}) or lies behind a graph break: {_FIND} lists what is "
-     f"found, {_EXPLAIN} the graph breaks."),
+     "values: there is nothing to scale. If the model does have attention, it is in none of "
+     f"the recognized forms ({_FORMS}) or runs outside what Dynamo traces (a custom kernel, "
+     f"a torch.compiler.disable region): {_FIND} returns what the analysis finds in the "
+     "traced forward."),
     (r"do not map one to one onto cache layers|is written by the attentions",
      "Several attention modules write one cache layer index (sub-models with caches of their "
      "own, or one block called at several depths), while a checkpoint gives each attention "
-     "module the scales of one cache layer: bounded when each attention writes a cache layer "
-     "of its own (its own layer_idx, 0..n-1)."),
+     "module the scales of one cache layer: each gets scales once each attention writes a "
+     "cache layer of its own (its own layer_idx, 0..n-1)."),
     (r"no normalization (found )?(within \d+ ops )?before the projection",
      "The projection's input is neither normalized in the traced graph nor bounded by the "
      "weights' values (walking back through the residual stream reached the op named "
