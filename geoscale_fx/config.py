@@ -94,8 +94,9 @@ class GeoscaleOptions:
                   ``AttentionSite``). Per layer the bound is already the position-independent
                   σ, so "interaction" needs granularity="head". "relative" is an analysis
                   option only (``find_attention(..., rope_bound="relative")``).
-    lowering      "auto" (fused flex_attention where the kernel supports the case, else an
-                  explicit attention), "fused", "explicit", or "fp8_qkv" (quantize q, k and v
+    lowering      "auto" (fused flex_attention where the kernel supports the case and the
+                  compiler is Inductor — the only one that fuses it —, else an explicit
+                  attention), "fused", "explicit", or "fp8_qkv" (quantize q, k and v
                   instead of the logits, with descales from the weights' certified amax
                   bounds: FlashAttention-3's FP8 kernel on CUDA, its emulation elsewhere).
                   fp8_qkv needs scaling="geometry" and takes eta, fp8_format and granularity;

@@ -122,6 +122,10 @@ def _sdpa_lowering(site: AttentionSite, options: GeoscaleOptions, policy: Scalin
                        "shapes (a dynamic recompile)")
     if site.dropout_p > 0:
         reasons.append("attention dropout")
+    if options.lowering == "auto" and options.compiler != "inductor":
+        # flex_attention fuses only under Inductor; elsewhere it runs its unfused reference
+        # (and re-traces its score_mod with Dynamo at every trace): explicit costs less
+        reasons.append(f"compiler={options.compiler!r} does not fuse flex_attention")
     if options.lowering == "auto" and not ctx.symbolic and site.q_len == 1:
         # a decode step: S is 1×L', as cheap to materialize as to stream, and the fused
         # kernel would rebuild its block mask (two sorts) every call

@@ -93,7 +93,7 @@ def test_after_calibration_the_fused_lowering_runs():
     gen = torch.Generator().manual_seed(0)
     batches = [zoo.example_inputs(batch=B, seq_len=seq, generator=gen) for _ in range(3)]
     wrapped = geoscale_fx.calibrate(zoo.model, batches[:2], progress=False,
-                                    compiler="aot_eager")
+                                    compiler="aot_eager", lowering="fused")
     runtime, = wrapped.geoscale.runtimes
     with torch.no_grad():
         wrapped(**batches[2])

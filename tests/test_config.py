@@ -73,11 +73,13 @@ _CORE = ("scaling", "granularity", "estimator", "alpha", "eta", "fp8_format", "d
 #: (option, value) whose effect another option of the combination already has: observed-max
 #: scaling and audits force the explicit lowering, and every explicit lowering records what
 #: it saw of the materialized scores (an audit's counts)
+#: (option, value) -> when it changes nothing the others have not changed already (auto
+#: lowers explicitly under a compiler that does not fuse flex_attention)
 _IMPLIED = {
     ("lowering", "explicit"): lambda c: c.get("scaling") in ("delayed", "current")
-    or c.get("audit") is True,
+    or c.get("audit") is True or c.get("compiler") in ("aot_eager", "eager"),
     ("audit", True): lambda c: c.get("scaling") in ("delayed", "current")
-    or c.get("lowering") == "explicit",
+    or c.get("lowering") == "explicit" or c.get("compiler") in ("aot_eager", "eager"),
 }
 
 

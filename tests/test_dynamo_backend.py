@@ -129,7 +129,7 @@ def test_rewrites_are_counted_per_lowering_and_modifier():
     counters.clear()
     with torch.no_grad():
         torch.compile(build_hf("llama-sdpa"), backend=geoscale_fx.backend(
-            compiler="aot_eager"))(input_ids=ids)
+            compiler="aot_eager", lowering="fused"))(input_ids=ids)
     assert counters["geoscale"]["rewrite_fused"] == 2
     assert counters["geoscale"]["left_as_is"] == 0
     assert counters["geoscale"]["sites_found"] == 2

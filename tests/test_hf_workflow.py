@@ -95,9 +95,10 @@ def test_apply_converts_in_place_and_generate_runs_compiled():
     report = geoscale_fx.report(model)
     # the prefill and the decode step ran through geoscale, one state per site
     assert [row["steps"] for row in report.rows] == [2, 2] and not report.skipped
-    # the prefill lowers to fused attention; a one-query decode step to the explicit form
-    assert counters["geoscale"]["rewrite_fused"] == 2 and report.eager_calls == 0
-    assert counters["geoscale"]["rewrite_explicit"] == 2
+    # the prefill and the one-query decode step lower to the explicit form (aot_eager does
+    # not fuse flex_attention; under Inductor the prefill is fused)
+    assert counters["geoscale"]["rewrite_fused"] == 0 and report.eager_calls == 0
+    assert counters["geoscale"]["rewrite_explicit"] == 4
     assert {f"geoscale_state.sites.{s}.scale" for s in SITES} <= set(model.state_dict())
 
 

@@ -88,7 +88,8 @@ def test_a_deleted_model_with_an_fp8_cache_is_freed_after_generate():
     """... and later models of the same shapes add no compiled entry that outlives them:
     the fused sites' inner flex_attention compiles are shared, not one per site and model
     (the second model's prefill is traced with a symbolic length: one entry more)."""
-    convert = lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager")  # noqa: E731
+    convert = lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager",  # noqa: E731
+                                           lowering="fused")
     parameter, module = _round(convert, generate=True)
     gc.collect()
     assert (parameter() is None, module() is None) == (True, True)

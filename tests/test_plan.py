@@ -121,17 +121,28 @@ def test_a_one_query_step_is_materialized_unless_fused_is_asked_for():
     result = _plan(one)
     assert result.lowering == "explicit" and "one query" in result.lowering_reason
     assert _plan(one, lowering="fused").lowering == "fused"
-    assert _plan(one, GraphContext(device="cpu", symbolic=True), compiler="aot_eager"
-                 ).lowering == "fused"
+    assert _plan(one, GraphContext(device="cuda", symbolic=True)).lowering == "fused"
     assert _plan(_site(q_len=2)).lowering == "fused"
 
 
 def test_symbolic_shapes_on_cpu_are_fused_without_inductor():
-    """Only Inductor's CPU template fails on symbolic shapes: aot_eager keeps 'fused'."""
+    """Only Inductor's CPU template fails on symbolic shapes: aot_eager keeps 'fused' when
+    asked for."""
     ctx = GraphContext(device="cpu", symbolic=True)
     assert _plan(ctx=ctx, compiler="inductor").lowering == "explicit"
-    result = _plan(ctx=ctx, compiler="aot_eager")
+    result = _plan(ctx=ctx, compiler="aot_eager", lowering="fused")
     assert result.lowering == "fused" and result.lowering_reason == ""
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
+def test_auto_lowers_explicitly_where_nothing_fuses_flex_attention(compiler):
+    """flex_attention is fused by Inductor only; under another compiler 'auto' takes the
+    explicit lowering, saying why, and 'fused' is still taken when asked for."""
+    result = _plan(compiler=compiler)
+    assert result.lowering == "explicit"
+    assert result.lowering_reason == f"compiler={compiler!r} does not fuse flex_attention"
+    assert _plan(compiler=compiler, lowering="fused").lowering == "fused"
+    assert _plan(compiler="inductor").lowering == "fused"
 
 
 def test_several_reasons_are_all_listed():

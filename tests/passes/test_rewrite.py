@@ -200,8 +200,9 @@ def test_program_arguments_are_weights_then_state(sdpa_graph, options):
 
 
 @pytest.mark.parametrize("graph_name, options, lowering, n", [
-    ("sdpa", {}, "fused", 2),
-    ("sdpa", {"scaling": "none"}, "fused", 2),
+    ("sdpa", {"lowering": "fused"}, "fused", 2),
+    ("sdpa", {"scaling": "none", "lowering": "fused"}, "fused", 2),
+    ("sdpa", {}, "explicit", 2),              # auto: aot_eager does not fuse flex_attention
     ("sdpa", {"lowering": "explicit"}, "explicit", 2),
     ("sdpa", {"audit": True}, "explicit", 2),
     ("explicit", {}, "inplace", 1),
