@@ -33,6 +33,7 @@ class Context:
     compiler: str = "aot_eager"               # for the correctness scenarios
     timing_compiler: str = "inductor"         # for the timing scenarios (5, 6)
     step_scale: float = 1.0                   # tests shrink every step count
+    sweep_lengths: tuple[int, ...] = ()       # tests: the sequence lengths of scenario 6
     progress: bool = True
     seed: int = 0
     _cache: dict = field(default_factory=dict, repr=False)

@@ -48,9 +48,11 @@ def tiny_lm():
 
 @pytest.fixture
 def ctx(tiny_lm, tmp_path):
+    """The scenarios on the tiny LM, geoscale's rewritten graphs run eagerly (compiler
+    "eager": no AOT trace, the same numbers; the compiled paths have their own tests)."""
     return Context(profile="quick", out_dir=tmp_path, lms={"tiny": lambda: tiny_lm},
-                   models=("tiny",), timing_compiler="aot_eager", step_scale=0.2,
-                   progress=False)
+                   models=("tiny",), compiler="eager", timing_compiler="eager",
+                   step_scale=0.2, sweep_lengths=(256,), progress=False)
 
 
 def _rows_have(result: ScenarioResult, *fields):
@@ -262,7 +264,7 @@ def test_fp8_kv_cache_compares_four_scale_sources_before_and_after_fine_tuning(t
 
     lm = BenchLM("tiny-llama", build, batch)
     ctx = Context(out_dir=tmp_path, lms={"tiny-llama": lambda: lm}, models=("tiny-llama",),
-                  step_scale=0.1, progress=False)
+                  compiler="eager", step_scale=0.1, progress=False)
     result = kv_cache.fp8_kv_cache(ctx)
     _rows_have(result, "model", "phase", "method", "cache MB", "vs bf16", "saturated",
                *QUALITY_COLUMNS, "max |x|/scale / R_max")

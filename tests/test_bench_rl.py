@@ -66,7 +66,7 @@ def test_two_grpo_steps_report_every_source(tmp_path):
 
     lm = BenchLM("tiny-llama", build, batch)
     ctx = Context(out_dir=tmp_path, lms={"tiny-llama": lambda: lm}, models=("tiny-llama",),
-                  step_scale=0.25, progress=False)
+                  compiler="eager", step_scale=0.25, progress=False)
     result = rl.rl_rollouts(ctx)
     assert [r["source"] for r in result.rows] == list(rl.SOURCES)
     per_step = result.data["per_step"]

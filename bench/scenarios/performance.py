@@ -155,7 +155,8 @@ def seq_len_sweep(ctx: Context) -> ScenarioResult:
     """6. Time and peak memory of the fused geometry path against materialized paths."""
     import multiprocessing
 
-    lengths = ctx.pick([2048], [256, 512, 1024, 2048, 4096])   # quick: the longest that is fast
+    # quick: the longest that is fast
+    lengths = ctx.sweep_lengths or ctx.pick([2048], [256, 512, 1024, 2048, 4096])
     variants = {"geometry fused": dict(METHODS["geometry/head"], lowering="fused"),
                 "geometry explicit": dict(METHODS["geometry/head"], lowering="explicit"),
                 "current": dict(METHODS["current"])}
