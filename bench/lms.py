@@ -69,6 +69,11 @@ def pretrained_lm(family: str, profile: str = "quick") -> BenchLM:
     def build() -> nn.Module:
         fresh = cls(config)
         fresh.load_state_dict(state)
+        if getattr(fresh, "loss_type", "") is None:
+            # transformers 5 finds no loss type in the name GPT2LMHeadModel and logs
+            # warning_once at every loss: a graph break (Dynamo re-traces the forward) in
+            # every compiled training step; the loss it falls back to, named
+            fresh.loss_type = "ForCausalLM"
         return fresh.eval()
 
     def batch(gen, size, seq, split="train"):

@@ -7,6 +7,7 @@ prints its table as soon as it completes and writes ``results.json`` and ``repor
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -121,6 +122,10 @@ def run_scenarios(scenarios: list[Scenario], ctx: Context, echo=print) -> list[S
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for scenario in scenarios:
+        # every scenario starts from a fresh Dynamo (the earlier ones' models, compiled at
+        # other shapes, would otherwise accumulate cache entries on shared code) and heap
+        torch._dynamo.reset()
+        gc.collect()
         start = time.perf_counter()
         echo(f"\n=== {scenario.title}")
         try:
