@@ -65,3 +65,20 @@ def traces(monkeypatch):
 
     monkeypatch.setattr(weight_kv_scales, "capture_graphs", counted)
     return calls
+
+
+@pytest.fixture
+def checkpoint_reads(monkeypatch):
+    """Every tensor name read from a checkpoint (``CheckpointReader.read``), in order."""
+    from geoscale_fx.checkpoint_reader import CheckpointReader
+
+    names_read: list[str] = []
+    read = CheckpointReader.read
+
+    def recording(self, names, finite=True):
+        names = list(names)
+        names_read.extend(names)
+        return read(self, names, finite)
+
+    monkeypatch.setattr(CheckpointReader, "read", recording)
+    return names_read

@@ -22,21 +22,13 @@ def _saved(model_type: str, path: Path) -> Path:
     return path
 
 
-def test_legacy_layout_is_read_under_its_stored_names(tmp_path, monkeypatch):
+def test_legacy_layout_is_read_under_its_stored_names(tmp_path, checkpoint_reads):
     """Gemma 3 saved by transformers 5.x: every tensor the bounds read is read under the
     name the file holds, which is the module path with ``model.language_model`` written
     ``language_model.model``; nothing is read under the module path."""
     ckpt = _saved("gemma3", tmp_path / "ckpt")
     stored = set(CheckpointReader(ckpt).weight_map)
-    reads: list[str] = []
-    read = CheckpointReader.read
-
-    def recording(self, names, finite=True):
-        names = list(names)
-        reads.extend(names)
-        return read(self, names, finite)
-
-    monkeypatch.setattr(CheckpointReader, "read", recording)
+    reads = checkpoint_reads
     layers = checkpoint_layer_scales(ckpt).layers
     assert [s.site for s in layers] == [f"model.language_model.layers.{i}.self_attn"
                                         for i in range(2)]

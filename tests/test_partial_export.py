@@ -22,7 +22,6 @@ import torch
 
 from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx import hf_configs
-from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.cli import main
 from geoscale_fx.export import export_kv_scales
 from geoscale_fx.kv_cache_manager import KVCacheManager
@@ -64,18 +63,10 @@ def _files(path: Path) -> dict[str, bytes]:
 
 
 def test_the_refused_layer_is_left_out_and_the_others_keep_their_index(ckpt, tmp_path,
-                                                                       monkeypatch, caplog):
+                                                                       checkpoint_reads, caplog):
     from safetensors.torch import load_file
 
-    reads: list[str] = []
-    read = CheckpointReader.read
-
-    def recording(self, names, finite=True):
-        names = list(names)
-        reads.extend(names)
-        return read(self, names, finite)
-
-    monkeypatch.setattr(CheckpointReader, "read", recording)
+    reads = checkpoint_reads
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
         got = export_kv_scales(ckpt, tmp_path / "streamed", strategy="head")
     assert sorted(got.tensors) == sorted(EXPORTED)
