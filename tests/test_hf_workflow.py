@@ -162,7 +162,7 @@ def test_trainer_with_the_wrapper_keeps_the_dataset_columns(tmp_path):
 
 
 def test_accelerate_rejects_geoscale_as_torch_compile_backend(tmp_path):
-    """The README says apply_ is the route into Trainer because of this error."""
+    """docs/huggingface.md says apply_ is the route into Trainer because of this error."""
     args = _args(tmp_path, torch_compile_backend="geoscale")
     with pytest.raises(ValueError, match="'GEOSCALE' is not a valid DynamoBackend"):
         transformers.Trainer(model=build_hf("llama-sdpa"), args=args, train_dataset=Tokens())

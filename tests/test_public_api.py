@@ -36,7 +36,7 @@ def test_exported_names_survive_importing_every_submodule():
 
 
 def test_readme_order_entry_point_then_configured_backend():
-    """The README's order: the registered backend first, then ``geoscale_fx.backend(...)``."""
+    """docs/usage.md's order: the registered backend first, then ``geoscale_fx.backend(...)``."""
     layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True,
                                              norm_first=True).eval()
     torch._dynamo.lookup_backend("geoscale")  # loads the entry point's module
