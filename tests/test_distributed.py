@@ -1,8 +1,10 @@
 """Scale-out on CPU processes with gloo: tensor parallel, FSDP2, both (2-D), DCP round trips.
 
-Each test spawns one process group (2 processes; 4 for the 2-D mesh) that runs several
-checks; a failing assertion in a worker fails the test with the worker's traceback. The
-references are independent: the same model in one process (no DTensor, no FSDP), and
+The 2-rank checks run one after the other in one process group (``two_ranks``: one spawn
+for the module, not one per test), each reported by its own test: a failing assertion in a
+worker fails that test with the worker's traceback, and the checks the failure kept from
+running run alone, each in its own process group. The 2-D mesh spawns its own 4 processes.
+The references are independent: the same model in one process (no DTensor, no FSDP), and
 float64 spectral norms of explicit matrices (torch.linalg) for the bounds.
 """
 from __future__ import annotations
@@ -11,6 +13,8 @@ import copy
 import math
 import os
 import socket
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,9 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import geoscale_fx  # noqa: E402
 from models_zoo.nanogpt import GPT, GPTConfig  # noqa: E402
+
+#: the module's tests share one spawned process group: one xdist worker runs them all
+pytestmark = pytest.mark.xdist_group("distributed")
 
 ETA, R_MAX = 0.8, 448.0
 VOCAB, D, N_HEAD, D_H = 64, 32, 4, 8
@@ -52,6 +59,82 @@ def _entry(rank: int, world: int, port: int, name: str, args: tuple) -> None:
 
 def _spawn(worker, world: int = 2, *args) -> None:
     mp.spawn(_entry, args=(world, _free_port(), worker.__name__, args), nprocs=world)
+
+
+def _checks(rank: int, world: int, out: str, checks: tuple) -> None:
+    """Run ``checks`` (pairs of worker name and arguments) in order, each as in a fresh
+    process (Dynamo reset, counters cleared, patched compilers and the environment put
+    back); ``out`` gets ``NAME.RANK.passed`` or ``NAME.RANK.failed`` (the traceback). A
+    failure ends the process group: the checks after it have no file."""
+    import geoscale_fx.dynamo_backend as backend_module
+
+    compiler, environ = backend_module.aot_eager, dict(os.environ)
+    for name, args in checks:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        try:
+            globals()[name](rank, world, *args)
+        except BaseException:
+            Path(out, f"{name}.{rank}.failed").write_text(traceback.format_exc())
+            raise
+        finally:
+            backend_module.aot_eager = compiler
+            os.environ.clear()
+            os.environ.update(environ)
+        Path(out, f"{name}.{rank}.passed").touch()
+        dist.barrier()      # no rank starts the next check's collectives alone
+
+
+def _spawn_checks(checks: tuple, out: Path, world: int = 2) -> dict[str, str | None]:
+    """Each check's outcome in one process group: "passed", the failing rank's traceback,
+    or None where a failure elsewhere kept it from running."""
+    try:
+        _spawn(_checks, world, str(out), checks)
+    except Exception:   # noqa: BLE001 - the files say which check failed, and how
+        pass
+    outcome: dict[str, str | None] = {}
+    for name, _ in checks:
+        failed = sorted(out.glob(f"{name}.*.failed"))
+        if failed:
+            outcome[name] = "\n".join(f"rank {f.name.split('.')[1]}:\n{f.read_text()}"
+                                      for f in failed)
+        elif all((out / f"{name}.{rank}.passed").exists() for rank in range(world)):
+            outcome[name] = "passed"
+        else:
+            outcome[name] = None
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The module's 2-rank checks, run once in one process group; ``check(worker, *args)``
+    fails with the worker's traceback, or runs a check that never ran alone."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    checks = [("_tp_matches_single_process", ()), ("_tp_trains", ()),
+              ("_tp_per_layer_placements_collectives", ()), ("_fsdp2", ()),
+              ("_dcp", (str(root / "dcp"),))]
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        _llama(2).save_pretrained(root / "llama")
+        checks += [("_tp_hf_llama", ()), ("_hf_tp_plan_auto", (str(root / "llama"),))]
+    (root / "dcp").mkdir()
+    (root / "outcomes").mkdir()
+    outcome = _spawn_checks(tuple(checks), root / "outcomes")
+    arguments = dict(checks)
+
+    def check(worker) -> Path:
+        result = outcome.get(worker.__name__)
+        if result is None:     # kept from running by an earlier failure: run it alone
+            _spawn(worker, 2, *arguments[worker.__name__])
+        elif result != "passed":
+            pytest.fail(f"{worker.__name__} failed\n{result}", pytrace=False)
+        return root
+
+    return check
 
 
 def _gathered(t: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -170,10 +253,10 @@ def _tp_matches_single_process(rank, world):
     assert rows[0]["tp"] == f"tp {rank}/2: heads {mine[0]}-{mine[-1]} of 4"
 
 
-def test_tensor_parallel_matches_single_process():
+def test_tensor_parallel_matches_single_process(two_ranks):
     """Colwise q/k/v, rowwise o, per-block compile: same output (scaling="none"), each rank
     has the single-process per-head scales of its own heads (= the float64 reference)."""
-    _spawn(_tp_matches_single_process)
+    two_ranks(_tp_matches_single_process)
 
 
 def _tp_trains(rank, world):
@@ -202,9 +285,9 @@ def _tp_trains(rank, world):
                                    rtol=1e-4, atol=0)   # AdamW amplifies reduction-order noise
 
 
-def test_tensor_parallel_trains_like_one_process():
+def test_tensor_parallel_trains_like_one_process(two_ranks):
     """Three AdamW steps (explicit lowering, biases): the same losses and per-head scales."""
-    _spawn(_tp_trains)
+    two_ranks(_tp_trains)
 
 
 def _tp_per_layer_placements_collectives(rank, world):
@@ -262,11 +345,11 @@ def _tp_per_layer_placements_collectives(rank, world):
         len(reasons)
 
 
-def test_tensor_parallel_per_layer_max_collectives_and_unsupported_placement():
+def test_tensor_parallel_per_layer_max_collectives_and_unsupported_placement(two_ranks):
     """Per layer: one all-reduce MAX (scale identical on both ranks, = max over ranks of the
     float64 per-layer bound of the rank's heads); per head: no collective beyond the TP
     model's own; rowwise q is left as is with a reason naming the placement."""
-    _spawn(_tp_per_layer_placements_collectives)
+    two_ranks(_tp_per_layer_placements_collectives)
 
 
 def _tp_hf_llama(rank, world):
@@ -334,19 +417,18 @@ def _hf_tp_plan_auto(rank, world, path):
                                rtol=1e-6, atol=0)
 
 
-def test_hf_tp_plan_auto(tmp_path):
+def test_hf_tp_plan_auto(two_ranks):
     """transformers' own plan (``tp_plan="auto"``: colwise q/k/v, rowwise o, computing with
     the local shards) on CPU/gloo: every site rewritten, each rank the scales of its heads."""
     pytest.importorskip("transformers")
-    _llama(2).save_pretrained(tmp_path / "llama")
-    _spawn(_hf_tp_plan_auto, 2, str(tmp_path / "llama"))
+    two_ranks(_hf_tp_plan_auto)
 
 
-def test_tensor_parallel_hf_llama_gqa_and_replicated_kv():
+def test_tensor_parallel_hf_llama_gqa_and_replicated_kv(two_ranks):
     """HF Llama (RoPE, GQA 4/2) with q/k/v colwise: same per-head scales as one process; with
     one kv head (fewer than ranks) k/v stay replicated and each rank pairs its q heads."""
     pytest.importorskip("transformers")
-    _spawn(_tp_hf_llama)
+    two_ranks(_tp_hf_llama)
 
 
 # --------------------------------------------------------------------------------------
@@ -369,13 +451,14 @@ def _state_identical_across(backend, group=None) -> None:
 
 
 def _fsdp2(rank, world):
-    import torch._dynamo.backends.debugging as debugging
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    import geoscale_fx.dynamo_backend as backend_module   # compiles a graph with its aot_eager
+
     mesh = init_device_mesh("cpu", (world,))
     collectives: list[int] = []
-    debugging.aot_eager = _count_collectives(collectives)
+    backend_module.aot_eager = _count_collectives(collectives)
     single, sharded = _gpt(), _gpt()
     be1 = geoscale_fx.compile_blocks(single, single.transformer.h, compiler="aot_eager")
     be2 = geoscale_fx.compile_blocks(sharded, sharded.transformer.h, compiler="aot_eager")
@@ -425,11 +508,11 @@ def _fsdp2(rank, world):
         torch.testing.assert_close(scale, ref, rtol=1e-5, atol=0)
 
 
-def test_fsdp2_trains_like_one_process_with_identical_state():
+def test_fsdp2_trains_like_one_process_with_identical_state(two_ranks):
     """Per-block compile, then fully_shard: three AdamW steps with the single-process losses,
     bit-identical scaling state on both ranks, no collective in the compiled graphs; with
     MixedPrecisionPolicy(bf16) the scales are the float64 bounds of the bf16 weights."""
-    _spawn(_fsdp2)
+    two_ranks(_fsdp2)
 
 
 def _train_2d(model, x, y, dp: int = 0, world_dp: int = 1, group=None) -> list[float]:
@@ -541,11 +624,11 @@ def _dcp(rank, world, path):
             torch.save(expected, os.path.join(path, "expected.pt"))
 
 
-def test_dcp_round_trip_resumes_warm(tmp_path):
+def test_dcp_round_trip_resumes_warm(two_ranks):
     """Save on 2 ranks (TP; FSDP2), load on 2 ranks into fresh compiled models: no cold
     start, the very scales the saved model computes next; the FSDP2 checkpoint also loads
     into one process."""
-    _spawn(_dcp, 2, str(tmp_path))
+    tmp_path = two_ranks(_dcp) / "dcp"
     model, backend = _built("single", None)
     got = _resumed(model, backend, str(tmp_path / "fsdp"))
     expected = torch.load(tmp_path / "expected.pt")
