@@ -431,6 +431,7 @@ def test_inductor_end_to_end_fused_inference():
     from torch._inductor.utils import run_and_get_code
 
     zoo = models_zoo.get("nanogpt")
+    zoo.model.transformer.h = zoo.model.transformer.h[:1]   # one block: Inductor's codegen
     seq = 48                                                # ≠ d_h, so (B, H, L, L) is unique
     inputs = zoo.example_inputs(batch=B, seq_len=seq)
     with torch.no_grad():
