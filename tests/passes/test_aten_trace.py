@@ -18,8 +18,9 @@ from models_zoo.nanogpt import GPT, GPTConfig
 
 
 def _model(training: bool = False) -> GPT:
+    """One block: every test's graph has one site, and Inductor compiles little."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4,
+    return GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4,
                          n_embd=64)).train(training)
 
 
@@ -95,7 +96,7 @@ def _train_steps(compiler: str, steps: int = 2):
 @pytest.mark.inductor
 def test_a_training_graph_is_cached_by_aotautograd_with_the_untraced_gradients_and_state():
     reference = _train_steps("aot_eager")      # the rewritten graph as it is, not traced
-    assert counters["geoscale"]["rewrite_explicit"] == 2
+    assert counters["geoscale"]["rewrite_explicit"] == 1
     for run in range(2):        # the second compile finds the first's entry
         steps = _train_steps("inductor")
         aot = counters["aot_autograd"]
