@@ -334,11 +334,12 @@ def _empty_row(model_type: str) -> dict:
             "measured reasons": {}, "error": ""}
 
 
-def _none_equals_eager(row: dict, model, inputs: dict, ref: torch.Tensor):
-    """``scaling="none"`` under ``aot_eager`` against the eager logits; the wrapper returned."""
+def _none_equals_eager(row: dict, model, inputs: dict, ref: torch.Tensor,
+                       compiler: str = "aot_eager"):
+    """``scaling="none"`` under ``compiler`` against the eager logits; the wrapper returned."""
     import geoscale_fx
 
-    plain = geoscale_fx.wrap(model, scaling="none", compiler="aot_eager")
+    plain = geoscale_fx.wrap(model, scaling="none", compiler=compiler)
     with torch.no_grad():
         got = _logits(plain(**inputs))
     try:
@@ -391,12 +392,12 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
     return executed, supported, measured
 
 
-def _audit(row: dict, model, inputs: list[dict]) -> list[float]:
+def _audit(row: dict, model, inputs: list[dict], compiler: str = "aot_eager") -> list[float]:
     """The geometry audit on all inputs at once (one batch, one step): observed/bound per
     head; ``row["overflows"]`` set."""
     import geoscale_fx
 
-    audited = geoscale_fx.wrap(model, audit=True, compiler="aot_eager")
+    audited = geoscale_fx.wrap(model, audit=True, compiler=compiler)
     both = {**inputs[0], "input_ids": torch.cat([b["input_ids"] for b in inputs])}  # (2, T)
     with torch.no_grad():
         audited(**both)
@@ -411,7 +412,7 @@ def _last_line(exc: Exception) -> str:
     return (said or lines or [""])[-1]
 
 
-def _run_family(row: dict, model_type: str) -> None:
+def _run_family(row: dict, model_type: str, compiler: str = "aot_eager") -> None:
     """Fill ``row`` for ``model_type`` (exceptions propagate to :func:`family_row`, except a
     failure of the ``none`` wrapper: the sites then come from ``find_attention``)."""
     import geoscale_fx
@@ -429,7 +430,7 @@ def _run_family(row: dict, model_type: str) -> None:
     ref, calls = _observe(model, inputs[0])
     row["calls"] = len(calls)
     try:
-        sites = backend_sites(_none_equals_eager(row, model, inputs[0], ref))
+        sites = backend_sites(_none_equals_eager(row, model, inputs[0], ref, compiler))
     except Exception as exc:  # noqa: BLE001 — geoscale failing on a family is a finding
         if isinstance(exc, _FamilyTimeout) or "_FamilyTimeout" in str(exc):
             raise
@@ -445,7 +446,7 @@ def _run_family(row: dict, model_type: str) -> None:
     spied = _spy_ratios(calls, sites) + _spy_ratios(_observe(model, inputs[1])[1], sites)
     _record_ratios(row, spied, [])       # kept if the audit raises
     if any(s.supported for s in sites):
-        _record_ratios(row, spied, _audit(row, model, inputs))
+        _record_ratios(row, spied, _audit(row, model, inputs, compiler))
     else:
         row["overflows"] = 0             # nothing rewritten: no FP8 cast to overflow
 
@@ -457,14 +458,15 @@ def _record_ratios(row: dict, spied: list[float], audited: list[float]) -> None:
     row["violations"] = sum(r > 1 + TOLERANCE for r in ratios)
 
 
-def family_row(model_type: str, timeout: int = 60) -> dict:
+def family_row(model_type: str, timeout: int = 60, compiler: str = "aot_eager") -> dict:
     """One row of the table for transformers ``model_type`` (see the module docstring); a
-    failure or a timeout is recorded in ``row["error"]``, never raised."""
+    failure or a timeout is recorded in ``row["error"]``, never raised. ``compiler`` runs
+    geoscale's rewritten graphs (``"eager"``: without the AOT trace, for tests)."""
     row = _empty_row(model_type)
     start = time.perf_counter()
     try:
         with _time_limit(timeout):
-            _run_family(row, model_type)
+            _run_family(row, model_type, compiler)
     except Exception as exc:  # noqa: BLE001 — any failure of a family is a row, not a crash
         # an alarm inside a compile reaches us wrapped (BackendCompilerFailed …)
         timed_out = isinstance(exc, _FamilyTimeout) or "_FamilyTimeout" in str(exc)

@@ -92,8 +92,10 @@ def test_softmax_spy_counts_only_softmaxes_over_a_product_of_activations():
 @pytest.mark.parametrize("model_type,layers", [("deepseek_v4", 3), ("zaya", 2)])
 def test_router_and_stream_softmaxes_are_not_silent_misses(model_type, layers):
     """deepseek_v4's hyper-connection softmax (B, T, hc, hc) and zaya's MoE router softmax
-    (B, T, experts) were counted as attention calls: 6 and 2 silent misses."""
-    row = family_row(model_type, timeout=120)
+    (B, T, experts) were counted as attention calls: 6 and 2 silent misses. (The rewritten
+    graphs run eagerly: the count does not need the AOT trace, which the supported
+    families' rows keep.)"""
+    row = family_row(model_type, timeout=120, compiler="eager")
     if not row["built"]:
         pytest.skip(row["error"])
     assert row["error"] == ""
@@ -141,7 +143,7 @@ def test_backend_sites_are_the_sites_find_attention_finds(model_type):
 
 
 def test_a_family_the_weights_cannot_bound_runs_on_measured_norms_and_says_why():
-    row = family_row("xlnet", timeout=120)       # XLNet: a bias on the projected query
+    row = family_row("xlnet", timeout=120, compiler="eager")   # a bias on the projected query
     assert row["error"] == "" and row["built"]
     assert (row["calls"], row["sites"], row["supported"], row["measured"], row["silent"]) == \
         (2, 2, 2, 2, 0)
