@@ -244,12 +244,17 @@ def test_distributed_scenario_times_two_ranks_against_one_process(tmp_path):
         assert row["vs plain"] == 1.0 if row["method"] == "plain" else row["vs plain"] > 0
 
 
-def test_fp8_kv_cache_compares_four_scale_sources_before_and_after_fine_tuning(tmp_path):
+def test_fp8_kv_cache_compares_four_scale_sources_before_and_after_fine_tuning(tmp_path,
+                                                                            monkeypatch):
     """Scenario 12 on a tiny HF Llama (a DynamicCache): geometry never saturates, unit scales
     use almost none of the FP8 range, the cache takes half a bf16 cache's bytes, and the
-    fine-tuning phase changes the weights."""
+    fine-tuning phase changes the weights. Its FP8 q/k/v table on one family (GPT-2, both
+    caches; every family's errors are checked in tests/test_fp8_qkv.py): every call runs
+    FP8 q/k/v, no fallback, no overflow."""
     from bench.scenarios import kv_cache
     from tests.hf_models import build_hf
+
+    monkeypatch.setattr(kv_cache, "QKV_FAMILIES", (("gpt2", "MHA, fused c_attn"),))
 
     state = build_hf("llama-sdpa").state_dict()
 
@@ -281,3 +286,11 @@ def test_fp8_kv_cache_compares_four_scale_sources_before_and_after_fine_tuning(t
             assert row["max |x|/scale / R_max"] < 0.05
     assert result.data["key_weight_change"]["tiny-llama"] > 0
     assert (tmp_path / "fp8_kv_cache.png").stat().st_size > 1000
+    qkv = result.data["fp8_qkv_decode"]
+    assert [(r["family"], r["cache"]) for r in qkv] == [
+        ("gpt2 (MHA, fused c_attn)", cache) for cache in ("dynamic", "static")]
+    for row in qkv:
+        fp8_calls, calls = row["calls fp8_qkv / all"].split("/")
+        assert fp8_calls == calls and int(calls) >= 2, row
+        assert row["fallbacks"] == 0 and row["overflows (geoscale)"] == 0, row
+        assert 0 < row["rel. L2 geoscale"] <= 1.5 * row["rel. L2 ideal dynamic"] + 1e-3, row
