@@ -26,28 +26,28 @@ HF_MODELS = {
 }
 
 
-def build_hf(key: str, seed: int = 0):
+def build_hf(key: str, seed: int = 0, layers: int = 2):
     transformers = pytest.importorskip("transformers")
     family, impl = key.split("-")
     torch.manual_seed(seed)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=128,
                                       n_positions=64, attn_implementation=impl,
                                       bos_token_id=0, eos_token_id=0)
     elif family == "llama":
-        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64,
                                        num_attention_heads=4, num_key_value_heads=2,
                                        intermediate_size=128, vocab_size=128,
                                        max_position_embeddings=64, attn_implementation=impl,
                                        bos_token_id=0, eos_token_id=0)
     elif family == "qwen2":   # GQA with q/k/v biases (not in HF_MODELS: tests/test_decode.py)
-        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64,
+        cfg = transformers.Qwen2Config(num_hidden_layers=layers, hidden_size=64,
                                        num_attention_heads=4, num_key_value_heads=2,
                                        intermediate_size=128, vocab_size=128,
                                        max_position_embeddings=64, attn_implementation=impl,
                                        bos_token_id=0, eos_token_id=0)
     else:
-        cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=64,
+        cfg = transformers.MistralConfig(num_hidden_layers=layers, hidden_size=64,
                                          num_attention_heads=8, num_key_value_heads=2,
                                          head_dim=8, intermediate_size=128, vocab_size=128,
                                          max_position_embeddings=64, attn_implementation=impl,
