@@ -78,10 +78,12 @@ def test_none_scaling_equals_eager_and_an_audit_never_overflows(family):
     torch.manual_seed(0)
     model, name = FAMILIES[family][0]()
     ids = torch.randint(0, 100, (2, 10))
-    assert_none_scaling_equals_eager(model, ids)
+    # the rewritten graphs run eagerly: the rewrite per family, without the AOT trace or
+    # Inductor (the compiled paths have their own tests)
+    assert_none_scaling_equals_eager(model, ids, compiler="eager")
     scale_up_gains_and_biases(model, 4.0)
     torch._dynamo.reset()
-    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
+    wrapped = geoscale_fx.wrap(model, compiler="eager", audit=True)
     with torch.no_grad():
         wrapped(ids)
     report = geoscale_fx.report(wrapped, per_head=True)
