@@ -103,7 +103,8 @@ def cache_bytes(model, kv_cache: str) -> tuple[int, int, torch.Tensor]:
     the logits of the wrapped generation."""
     ids = prompt()
     plain = plain_cache(model, ids)
-    wrapped = geoscale_fx.wrap(model, kv_cache=kv_cache, scaling="none", compiler="aot_eager")
+    # the rewritten graphs run eagerly: the cache's formats and scales, not the AOT trace
+    wrapped = geoscale_fx.wrap(model, kv_cache=kv_cache, scaling="none", compiler="eager")
     cache = model._geoscale_kv_cache.new_cache(ids)
     _, logits = generate_with_logits(wrapped, ids, past_key_values=cache)
     return cache_nbytes(cache), cache_nbytes(plain), logits
@@ -128,6 +129,7 @@ def kv_cache_runs(model, ids, kv_cache: str, static: bool) -> CacheRuns:
     reference_tokens, reference = generate_with_logits(model, ids, **kw)
     _, observed = generate_with_logits(
         model, ids, past_key_values=observed_amax_cache(model, ids, kv_cache, static))
-    wrapped = geoscale_fx.wrap(model, kv_cache=kv_cache, scaling="none", compiler="aot_eager")
+    # the rewritten graphs run eagerly: the cache's formats and scales, not the AOT trace
+    wrapped = geoscale_fx.wrap(model, kv_cache=kv_cache, scaling="none", compiler="eager")
     tokens, certified = generate_with_logits(wrapped, ids, **kw)
     return CacheRuns(reference_tokens, reference, observed, tokens, certified, wrapped)
