@@ -88,25 +88,47 @@ def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
+@pytest.fixture(scope="module")
+def in_memory_exports(tmp_path_factory):
+    """``(family, dtype)`` -> the saved checkpoint and its in-memory exports per strategy
+    (output directory, export), made once for the module: the in-memory route does not chunk
+    heads (``HEAD_CHUNK_BYTES`` is the streamed route's), so both chunkings compare with the
+    same export."""
+    made: dict = {}
+
+    def get(family: str, dtype) -> tuple[Path, dict]:
+        if (family, dtype) not in made:
+            root = tmp_path_factory.mktemp(f"{family}-{str(dtype).split('.')[-1]}")
+            ckpt = _save(family, root / "ckpt", dtype)
+            made[family, dtype] = ckpt, {
+                strategy: (root / f"ref-{strategy}",
+                           _in_memory(ckpt, root / f"ref-{strategy}", strategy))
+                for strategy in ("tensor", "head")}
+        return made[family, dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("chunk", ["whole", "one head"])      # a family's two runs adjacent
 @pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
                                           ("qwen2", torch.float32), ("qwen3", torch.bfloat16),
                                           ("gemma3", torch.float32), ("gpt2", torch.float32)])
-@pytest.mark.parametrize("chunk", ["whole", "one head"])
-def test_streamed_equals_in_memory(family, dtype, chunk, tmp_path, monkeypatch):
+def test_streamed_equals_in_memory(family, dtype, chunk, tmp_path, monkeypatch,
+                                   in_memory_exports):
     """Also with the query heads bounded one at a time (what a 70B layer's 64 heads get in
     chunks of 16): the per-head math gives the same bits."""
+    ckpt, refs = in_memory_exports(family, dtype)
     if chunk == "one head":
         monkeypatch.setattr(checkpoint_scales, "HEAD_CHUNK_BYTES", 1)
-    ckpt = _save(family, tmp_path / "ckpt", dtype)
     for strategy in ("tensor", "head"):
-        ref = _in_memory(ckpt, tmp_path / f"ref-{strategy}", strategy)
+        ref_dir, ref = refs[strategy]
         got = export_kv_scales(ckpt, tmp_path / f"got-{strategy}", strategy=strategy)
         assert got.tensors.keys() == ref.tensors.keys()
         assert len(got.tensors) == 2 * 3
         for name, t in ref.tensors.items():
             assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t), name
         assert got.quantization_config == ref.quantization_config
-        assert (_files(tmp_path / f"got-{strategy}") == _files(tmp_path / f"ref-{strategy}"))
+        assert (_files(tmp_path / f"got-{strategy}") == _files(ref_dir))
 
 
 def test_merged_into_the_checkpoint_by_default(tmp_path):
