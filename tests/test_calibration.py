@@ -10,10 +10,23 @@ from geoscale_fx import bounds
 models_zoo = pytest.importorskip("models_zoo")
 
 B, L = 2, 32
+#: the rewritten graphs run eagerly: the calibration's state, not the AOT trace (the fused
+#: lowering's test keeps aot_eager)
+COMPILER = "eager"
+
+
+_TRAINED: dict = {}
 
 
 def _trained_nanogpt(steps=100, seed=1):
-    """A nanoGPT whose attention has learned something (a copy task), in eval mode."""
+    """A nanoGPT whose attention has learned something (a copy task), in eval mode: a copy of
+    the one trained once per ``(steps, seed)`` for the module."""
+    if (steps, seed) not in _TRAINED:
+        _TRAINED[steps, seed] = _train_nanogpt(steps, seed)
+    return copy.deepcopy(_TRAINED[steps, seed])
+
+
+def _train_nanogpt(steps: int, seed: int):
     zoo = models_zoo.get("nanogpt", seed=seed)
     model = zoo.model.train()
     gen = torch.Generator().manual_seed(0)
@@ -34,7 +47,7 @@ def _batches(n, seed=2):
 def test_alpha_final_is_the_quantile_of_recorded_ratios_times_kappa():
     zoo, model = _trained_nanogpt()
     steps, q, kappa = 6, 0.9, 1.25
-    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", alpha="auto", calib_steps=steps,
+    wrapped = geoscale_fx.wrap(model, compiler=COMPILER, alpha="auto", calib_steps=steps,
                                quantile=q, kappa=kappa)
     observed = []                               # independent record: max|S| / B_max per step
     with torch.no_grad():
@@ -57,12 +70,12 @@ def test_zero_overflows_on_the_calibration_distribution_and_better_utilization(c
     zoo, model = _trained_nanogpt()
     batches = _batches(8)
     # one model per wrapper: a wrapper keeps its state on its model
-    theory = geoscale_fx.wrap(copy.deepcopy(model), compiler="aot_eager", alpha="theory",
+    theory = geoscale_fx.wrap(copy.deepcopy(model), compiler=COMPILER, alpha="theory",
                               audit=True)
-    auto = geoscale_fx.calibrate(copy.deepcopy(model), batches, compiler="aot_eager",
+    auto = geoscale_fx.calibrate(copy.deepcopy(model), batches, compiler=COMPILER,
                                  progress=False)
     # replay the calibration batches with audits: theory α vs the frozen auto α
-    checker = geoscale_fx.wrap(copy.deepcopy(model), compiler="aot_eager", alpha="auto",
+    checker = geoscale_fx.wrap(copy.deepcopy(model), compiler=COMPILER, alpha="auto",
                                audit=True, calib_steps=len(batches))
     checker.load_state_dict(auto.state_dict())
     util = {"theory": [], "auto": []}
@@ -110,7 +123,7 @@ def test_state_dict_round_trips_before_during_and_after_calibration():
         twin = models_zoo.get("nanogpt", seed=9).model
         twin.load_state_dict({k: v for k, v in model.state_dict().items()
                               if not k.startswith("geoscale_state")})
-        return geoscale_fx.wrap(twin.eval(), compiler="aot_eager", alpha="auto", calib_steps=4)
+        return geoscale_fx.wrap(twin.eval(), compiler=COMPILER, alpha="auto", calib_steps=4)
 
     reference = fresh()
     with torch.no_grad():
@@ -152,7 +165,7 @@ def test_non_finite_logit_during_burn_in_is_an_error_naming_the_site():
     from tests.hf_models import build_hf
 
     model = build_hf("gpt2-sdpa")
-    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", alpha="auto", calib_steps=3)
+    wrapped = geoscale_fx.wrap(model, compiler=COMPILER, alpha="auto", calib_steps=3)
     embeds = torch.randn(B, 8, 64)
     embeds[0, 3, 5] = float("nan")
     with pytest.raises(RuntimeError, match=r"non-finite logits.*transformer\.h\.0\.attn"):
@@ -170,7 +183,7 @@ def test_guard_rails(kwargs, match):
 
 def test_theory_alpha_is_alpha_min_per_site_and_follows_the_sequence_length():
     zoo = models_zoo.get("nanogpt")
-    wrapped = geoscale_fx.wrap(zoo.model, compiler="aot_eager", alpha="theory")
+    wrapped = geoscale_fx.wrap(zoo.model, compiler=COMPILER, alpha="theory")
     n_total = zoo.n_layers * zoo.n_q_heads
     for seq in (16, 64):
         with torch.no_grad():
@@ -183,7 +196,7 @@ def test_theory_alpha_is_alpha_min_per_site_and_follows_the_sequence_length():
 def test_calibrate_with_a_progress_bar_gives_the_same_frozen_state(capsys):
     zoo, model = _trained_nanogpt(steps=40)
     batches = _batches(5)
-    by_hand = geoscale_fx.wrap(model, compiler="aot_eager", alpha="auto",
+    by_hand = geoscale_fx.wrap(model, compiler=COMPILER, alpha="auto",
                                calib_steps=len(batches))
     with torch.no_grad():
         for batch in batches:
@@ -191,7 +204,7 @@ def test_calibrate_with_a_progress_bar_gives_the_same_frozen_state(capsys):
     expected = {k: v.clone() for k, v in model.state_dict().items() if "alpha_final" in k}
     for key in list(model.geoscale_state.sites.keys()):
         del model.geoscale_state.sites[key]
-    calibrated = geoscale_fx.calibrate(model, batches, compiler="aot_eager")
+    calibrated = geoscale_fx.calibrate(model, batches, compiler=COMPILER)
     err = capsys.readouterr().err
     assert "geoscale auto-alpha" in err and "5/5" in err
     got = {k: v for k, v in calibrated.state_dict().items() if "alpha_final" in k}
@@ -202,7 +215,7 @@ def test_calibrate_with_a_progress_bar_gives_the_same_frozen_state(capsys):
 
 def test_calibrate_with_fewer_batches_than_calib_steps_freezes_what_it_saw(caplog):
     zoo, model = _trained_nanogpt(steps=20)
-    wrapped = geoscale_fx.calibrate(model, iter(_batches(3)), compiler="aot_eager",
+    wrapped = geoscale_fx.calibrate(model, iter(_batches(3)), compiler=COMPILER,
                                     calib_steps=10, progress=False)
     records = list(wrapped.geoscale.records.values())
     assert all(r.state.calibrated.item() == 1 and r.state.calib_count.item() == 3
