@@ -21,7 +21,8 @@ the block's own tensors as the reference (never the analysis'):
    ``max|S|`` (``S = s·q·kᵀ`` recomputed in float64 from the operands the block hands to
    its attention, then softcapped if the block caps) stays within ``site.logit_bound()``
    and the operands' ``max|q|, |k|, |v|`` within ``site.amax_bounds()``;
-3. ``wrap(model, scaling="none", compiler="aot_eager")`` equals eager;
+3. ``wrap(model, scaling="none", compiler=compiler)`` equals eager (``check_example``'s
+   ``compiler``, aot_eager unless told);
 4. (``audit=True``) geometry scaling with ``audit=True`` on the adversarial input reports
    0 ``overflow_steps``.
 
@@ -442,10 +443,11 @@ class ExampleResult:
 
 
 def check_example(form: Form, *, steps: int = 12, audit: bool = True,
-                  bound_factor: float = 1.0) -> ExampleResult:
+                  bound_factor: float = 1.0, compiler: str = "aot_eager") -> ExampleResult:
     """Properties 1–4 of the module docstring on ``form``; never raises (``error``).
 
-    ``bound_factor`` multiplies the library's bounds (< 1 checks that the search can fail).
+    ``bound_factor`` multiplies the library's bounds (< 1 checks that the search can fail);
+    ``compiler`` runs the rewritten graphs of properties 3 and 4.
     """
     start, result = time.perf_counter(), ExampleResult(form)
     torch._dynamo.reset()
@@ -456,9 +458,9 @@ def check_example(form: Form, *, steps: int = 12, audit: bool = True,
         site = _check_found(model, x, result)
         if site is not None and site.supported:
             x = _check_bounds(model, x, site, result, steps, bound_factor, form.tolerance)
-        _check_none_equals_eager(model, x, result)
+        _check_none_equals_eager(model, x, result, compiler)
         if audit and site is not None and (site.supported or site.measured is not None):
-            _check_audit(model, x, result)
+            _check_audit(model, x, result, compiler)
     except Exception as e:  # noqa: BLE001 — the fuzzer reports every failure as data
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     result.seconds = time.perf_counter() - start
@@ -532,11 +534,11 @@ def _check_bounds(model, x, site, result, steps, factor, tol) -> torch.Tensor:
     return worst_x
 
 
-def _check_none_equals_eager(model, x, result):
+def _check_none_equals_eager(model, x, result, compiler: str):
     with torch.no_grad():
         expected = model(x)
         torch._dynamo.reset()
-        got = geoscale_fx.wrap(model, scaling="none", compiler="aot_eager")(x)
+        got = geoscale_fx.wrap(model, scaling="none", compiler=compiler)(x)
     # float32 rounding of a rewritten but equal computation scales with the output
     scale = max(1.0, float(expected.abs().max()))
     result.none_max_diff = float((got - expected).abs().max()) / scale
@@ -544,9 +546,9 @@ def _check_none_equals_eager(model, x, result):
     result.none_equals_eager = bool(torch.allclose(got, expected, rtol=tol, atol=tol * scale))
 
 
-def _check_audit(model, x, result):
+def _check_audit(model, x, result, compiler: str):
     torch._dynamo.reset()
-    wrapped = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
+    wrapped = geoscale_fx.wrap(model, compiler=compiler, audit=True)
     with torch.no_grad():
         wrapped(x)
     rows = geoscale_fx.report(wrapped, per_head=True).rows
