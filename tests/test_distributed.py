@@ -29,9 +29,6 @@ from torch._dynamo.utils import counters  # noqa: E402
 import geoscale_fx  # noqa: E402
 from models_zoo.nanogpt import GPT, GPTConfig  # noqa: E402
 
-#: the module's tests share one spawned process group: one xdist worker runs them all
-pytestmark = pytest.mark.xdist_group("distributed")
-
 ETA, R_MAX = 0.8, 448.0
 VOCAB, D, N_HEAD, D_H = 64, 32, 4, 8
 
