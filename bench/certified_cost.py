@@ -27,7 +27,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from geoscale_fx import spectral
+from geoscale_fx.core import spectral
 
 __all__ = ["SHAPES", "bound_flops", "step_flops", "main"]
 

@@ -260,7 +260,7 @@ def compare_with_cache(scales: dict[str, torch.Tensor], layers: dict[int, dict]
 
 def _prompts(model) -> list[torch.Tensor]:
     """``PROMPTS`` random prompts ``(1, SEQ_LEN)`` and the adversarial one."""
-    from geoscale_fx.hf_configs import token_inputs
+    from geoscale_fx.testing.hf_configs import token_inputs
 
     ids = token_inputs(model, batch=PROMPTS, seq_len=SEQ_LEN)["input_ids"]     # (P, T)
     adversarial = adversarial_inputs(model, {"input_ids": ids[:1]})["input_ids"]
@@ -276,7 +276,7 @@ def _load(ckpt: Path, **kwargs):
     """``from_pretrained`` with the class the streamed route builds (``causal_lm_class``)."""
     from transformers import AutoConfig
 
-    from geoscale_fx.hf_configs import causal_lm_class
+    from geoscale_fx.testing.hf_configs import causal_lm_class
 
     cls = causal_lm_class(AutoConfig.from_pretrained(ckpt))
     return cls.from_pretrained(ckpt, **kwargs).eval()
@@ -323,7 +323,7 @@ def _export_notes(export) -> list[str]:
 
 
 def _run_family(row: dict, model_type: str, work: Path) -> None:
-    from geoscale_fx import hf_configs
+    from geoscale_fx.testing import hf_configs
 
     try:
         model = hf_configs.tiny_model(model_type)
@@ -339,7 +339,7 @@ def _run_family(row: dict, model_type: str, work: Path) -> None:
 def checkpoint_row(row: dict, ckpt: Path, work: Path) -> None:
     """Fill ``row`` from the saved checkpoint ``ckpt``: both routes' exports, compared with
     each other and with what the model caches (see the module docstring)."""
-    from geoscale_fx import hf_configs
+    from geoscale_fx.testing import hf_configs
 
     row["streamed"], row["reason"], streamed = _export(ckpt, work / "streamed")
     row["reason"] = row["reason"].replace(str(ckpt), "CKPT")
@@ -453,7 +453,7 @@ def _markdown(rows: list[dict], line: str, seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from geoscale_fx.hf_configs import causal_lm_types
+    from geoscale_fx.testing.hf_configs import causal_lm_types
 
     parser = argparse.ArgumentParser(prog="python -m bench.export_families", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -416,7 +416,7 @@ def _run_family(row: dict, model_type: str, compiler: str = "aot_eager") -> None
     """Fill ``row`` for ``model_type`` (exceptions propagate to :func:`family_row`, except a
     failure of the ``none`` wrapper: the sites then come from ``find_attention``)."""
     import geoscale_fx
-    from geoscale_fx import hf_configs
+    from geoscale_fx.testing import hf_configs
     from geoscale_fx.plan import runnable
 
     try:
@@ -600,7 +600,7 @@ def _quiet() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from geoscale_fx.hf_configs import causal_lm_types
+    from geoscale_fx.testing.hf_configs import causal_lm_types
 
     parser = argparse.ArgumentParser(prog="python -m bench.families", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

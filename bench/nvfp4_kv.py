@@ -36,7 +36,7 @@ import torch
 from tabulate import tabulate
 
 from bench.quality import logit_metrics
-from geoscale_fx import nvfp4
+from geoscale_fx.core import nvfp4
 from geoscale_fx.kv_cache_layers import fp8_cache
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.weight_kv_scales import WeightKVScales

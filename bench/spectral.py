@@ -19,8 +19,8 @@ import torch
 from tabulate import tabulate
 
 from bench.timing import median_seconds
-from geoscale_fx import spectral
-from geoscale_fx.paper_models import PAPER_MODELS
+from geoscale_fx.core import spectral
+from geoscale_fx.testing.paper_models import PAPER_MODELS
 
 log = logging.getLogger("bench.spectral")
 

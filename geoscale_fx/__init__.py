@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute or None for the module itself)
 _LAZY = {
-    "bounds": ("geoscale_fx.bounds", None),
-    "spectral": ("geoscale_fx.spectral", None),
+    "bounds": ("geoscale_fx.core.bounds", None),
+    "spectral": ("geoscale_fx.core.spectral", None),
     "find_attention": ("geoscale_fx.capture", "find_attention"),
     "backend": ("geoscale_fx.dynamo_backend", "backend"),
     "GeoscaleBackend": ("geoscale_fx.dynamo_backend", "GeoscaleBackend"),

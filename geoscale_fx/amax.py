@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx import head_weights, spectral
+from geoscale_fx import head_weights
+from geoscale_fx.core import spectral
 from geoscale_fx.site_model import AttentionSite, CacheWrite
 from geoscale_fx.site_terms import Side
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from geoscale_fx.fp8 import fake_quantize_logits, quantize_dequantize
+from geoscale_fx.core.fp8 import fake_quantize_logits, quantize_dequantize
 
 __all__ = ["fused_attention", "explicit_attention", "head_divisor"]
 

@@ -61,7 +61,7 @@ from geoscale_fx.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx.hf_configs import causal_lm_class, token_inputs
+from geoscale_fx.testing.hf_configs import causal_lm_class, token_inputs
 from geoscale_fx.kv_cache_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
 )

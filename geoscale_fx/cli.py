@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from geoscale_fx import inspection
 from geoscale_fx.export import export_kv_scales
-from geoscale_fx.paper_models import PAPER_MODELS, calibration_row
+from geoscale_fx.testing.paper_models import PAPER_MODELS, calibration_row
 
 __all__ = ["main"]
 

@@ -41,8 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
-from geoscale_fx.bounds import FP8_MAX
-from geoscale_fx.fp8 import kv_format
+from geoscale_fx.core.bounds import FP8_MAX
+from geoscale_fx.core.fp8 import kv_format
 from geoscale_fx.option_rules import check_option_rules, check_recipe_use
 from geoscale_fx.recipes import (ALPHA_POLICIES, BACKEND_ROPE_BOUNDS, DELAYED_RECIPES,
                                  ESTIMATORS, GRANULARITIES, RECIPE_KEYWORDS, RECIPES,
@@ -109,7 +109,7 @@ class GeoscaleOptions:
                   quantile q of the slack ratios, safety multiplier κ ≥ 1, α during burn-in.
     kv_cache      None (the model's own cache; default) or an FP8 KV cache for ``generate``
                   whose per-kv-head scales come from the weights: the values
-                  ``geoscale_fx.fp8.KV_CACHE_FORMATS`` lists ("fp8", "fp8_e4m3", "fp8_e5m2",
+                  ``geoscale_fx.core.fp8.KV_CACHE_FORMATS`` lists ("fp8", "fp8_e4m3", "fp8_e5m2",
                   "nvfp4"). Read by ``wrap`` and ``apply_``, which refuse it for a model without
                   Hugging Face ``generate``.
 

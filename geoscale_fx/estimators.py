@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx import head_weights, logit_bounds, spectral
+from geoscale_fx import head_weights, logit_bounds
+from geoscale_fx.core import spectral
 from geoscale_fx.site_terms import HeadWeights, Term
 from geoscale_fx.state import StateSpec
 

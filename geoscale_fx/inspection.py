@@ -6,7 +6,7 @@ Three forms, for Hugging Face models::
     geoscale inspect ./saved-model/config.json  # (or a directory with config.json only): built
                                                 # on the meta device, no weight read; bounds "—"
     geoscale inspect --model-type qwen2         # the family's default config shrunk
-                                                # (geoscale_fx.hf_configs), random weights
+                                                # (geoscale_fx.testing.hf_configs), random weights
 
 and ``package.module:function``: a callable returning an ``nn.Module`` (fed random token ids
 below its vocabulary) or ``(module, inputs)`` with ``inputs`` the keyword arguments of a call;
@@ -38,9 +38,11 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from geoscale_fx import head_weights, hf_configs, logit_bounds, spectral
+from geoscale_fx import head_weights, logit_bounds
+from geoscale_fx.testing import hf_configs
+from geoscale_fx.core import spectral
 from geoscale_fx.capture import find_attention
-from geoscale_fx.hf_configs import token_inputs
+from geoscale_fx.testing.hf_configs import token_inputs
 from geoscale_fx.plan import runnable
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
 
@@ -132,7 +134,7 @@ def load_model(spec: str, *, batch: int = 1, seq_len: int = 32,
 def load_model_type(model_type: str, *, batch: int = 1, seq_len: int = 32,
                     attn_implementation: str | None = None) -> LoadedModel:
     """A random-weight model of transformers ``model_type``, its default config shrunk
-    (:func:`geoscale_fx.hf_configs.tiny_model`); ``ValueError`` naming a type that cannot be
+    (:func:`geoscale_fx.testing.hf_configs.tiny_model`); ``ValueError`` naming a type that cannot be
     built, and why."""
     model = hf_configs.tiny_model(model_type, attn_implementation=attn_implementation)
     source = (f"--model-type {model_type} ({type(model).__name__}, shrunk default config, "

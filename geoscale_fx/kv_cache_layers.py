@@ -7,7 +7,7 @@
   states ``Q(x / s_h) · s_h``, as an FP8-KV kernel reads them. Entries that reach ±R_max are
   counted (``saturated``; never a host sync), and so are entries that are not finite
   (``nonfinite``: stored as NaN, an attention reading them is NaN).
-* ``NVFP4Layer`` — the same with NVFP4 storage (``geoscale_fx.nvfp4``: E2M1 values, an E4M3
+* ``NVFP4Layer`` — the same with NVFP4 storage (``geoscale_fx.core.nvfp4``: E2M1 values, an E4M3
   scale per 16 entries of the head dim, packed to 4.5 bits per entry); its per-kv-head global
   scale is s_g ≥ B / (6 · 448), so no block scale can overflow E4M3. ``saturated`` counts
   block scales above 448.
@@ -36,9 +36,9 @@ from typing import Any, Optional
 
 import torch
 
-from geoscale_fx import nvfp4
-from geoscale_fx.bounds import fp8_max
-from geoscale_fx.fp8 import NVFP4, fp8_dtype, saturating_cast
+from geoscale_fx.core import nvfp4
+from geoscale_fx.core.bounds import fp8_max
+from geoscale_fx.core.fp8 import NVFP4, fp8_dtype, saturating_cast
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.cache_writes import cache_write
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from geoscale_fx.fp8 import kv_format
+from geoscale_fx.core.fp8 import kv_format
 from geoscale_fx.kv_cache_layers import fp8_cache
 from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.weight_kv_scales import WeightKVScales

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from geoscale_fx import nvfp4
-from geoscale_fx.bounds import fp8_max, round_up_f32
-from geoscale_fx.fp8 import NVFP4
+from geoscale_fx.core import nvfp4
+from geoscale_fx.core.bounds import fp8_max, round_up_f32
+from geoscale_fx.core.fp8 import NVFP4
 
 __all__ = ["LayerScales", "scale_from_bound"]
 

@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from geoscale_fx import bounds, relative_rope_bound, spectral
+from geoscale_fx import relative_rope_bound
+from geoscale_fx.core import bounds, spectral
 from geoscale_fx.head_weights import Resolve, side_heads, side_radius, site_term_weights
 from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
 from geoscale_fx.site_terms import HeadWeights, Modifier, Side, Term

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from geoscale_fx.fp8 import quantize_dequantize, saturating_cast
+from geoscale_fx.core.fp8 import quantize_dequantize, saturating_cast
 
 __all__ = ["P_OFFSET", "emulated_fp8_attention", "fa3_fp8_attention", "fa3_available",
            "group_descale", "operand_scaled_max"]

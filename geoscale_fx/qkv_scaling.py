@@ -41,9 +41,10 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx import amax, bounds
-from geoscale_fx.bounds import fp8_max, round_up_f32
-from geoscale_fx.fp8 import overflowed
+from geoscale_fx import amax
+from geoscale_fx.core import bounds
+from geoscale_fx.core.bounds import fp8_max, round_up_f32
+from geoscale_fx.core.fp8 import overflowed
 from geoscale_fx.qkv_attention import group_descale, operand_scaled_max
 from geoscale_fx.scaling import NON_FINITE_TAG, ScalingPolicy
 from geoscale_fx.site_model import AttentionSite

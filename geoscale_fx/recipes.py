@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar, Optional, Union
 
-from geoscale_fx.bounds import FP8_MAX
+from geoscale_fx.core.bounds import FP8_MAX
 
 __all__ = ["Alpha", "GeometryRecipe", "DelayedRecipe", "CurrentRecipe", "NoScalingRecipe",
            "RECIPES", "recipe_of"]

@@ -26,7 +26,7 @@ from typing import Any
 from tabulate import tabulate
 from torch import nn
 
-from geoscale_fx import bounds
+from geoscale_fx.core import bounds
 from geoscale_fx.attach import geoscale_call
 from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.backend_sites import SiteRecord

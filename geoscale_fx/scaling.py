@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx import bounds, head_weights, logit_bounds
+from geoscale_fx import head_weights, logit_bounds
+from geoscale_fx.core import bounds
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.estimators import Estimator, make_estimator
-from geoscale_fx.fp8 import overflowed
+from geoscale_fx.core.fp8 import overflowed
 from geoscale_fx.site_model import AttentionSite
 from geoscale_fx.state import StateSpec
 

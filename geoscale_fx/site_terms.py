@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx.value_radius import radius_nodes
+from geoscale_fx.core.parameter_radius import radius_nodes
 
 __all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "MODIFIER_KINDS"]
 
@@ -69,7 +69,7 @@ class Source:
     A source *bounded by value* (``norm == "bounded"``: no normalization before the
     projection) is the projection's input ``x̂ = x`` itself, with no channel ops, and
     ``‖x‖ ≤ ρ`` where ``ρ`` is computed from parameter values by ``radius_expr``
-    (``geoscale_fx.value_radius``): it has no fixed ``radius``; the numerics evaluate it
+    (``geoscale_fx.core.parameter_radius``): it has no fixed ``radius``; the numerics evaluate it
     (``head_weights.side_radius``) whenever they evaluate the weights.
     """
     norm: str                        # "layernorm" | "rmsnorm" | "bounded" (by value)
@@ -242,7 +242,7 @@ class Modifier:
 
 @dataclass(frozen=True)
 class HeadWeights:
-    """Canonical per-head tensors of one term (see ``geoscale_fx.spectral``)."""
+    """Canonical per-head tensors of one term (see ``geoscale_fx.core.spectral``)."""
     a_q: torch.Tensor                 # (n_q, d, d_h)
     c_q: Optional[torch.Tensor]       # (n_q, d_h) or None
     a_k: torch.Tensor                 # (n_kv, d, d_h)

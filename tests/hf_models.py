@@ -1,5 +1,5 @@
 """Tiny Hugging Face models built from configs (no hub), and the generations with a quantized
-KV cache that the cache tests compare (tests/test_kv_cache.py, tests/test_nvfp4.py)."""
+KV cache that the cache tests compare (tests/test_kv_cache.py, tests/core/test_nvfp4.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.fp8 import kv_format
+from geoscale_fx.core.fp8 import kv_format
 from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
 from geoscale_fx.layer_scales import LayerScales
 

@@ -184,7 +184,7 @@ def test_fifty_training_steps_reduce_loss():
 
 
 def test_power_sigma_tracks_exact_within_one_percent_while_fine_tuning():
-    from geoscale_fx import spectral
+    from geoscale_fx.core import spectral
 
     zoo = models_zoo.get("nanogpt", seed=1)
     model = zoo.model.train()
@@ -495,7 +495,7 @@ def test_report_rows_and_table_for_a_torch_compiled_model():
 
 
 def test_report_norm_product_of_a_rope_site_is_the_norm_its_bound_uses():
-    from geoscale_fx import spectral
+    from geoscale_fx.core import spectral
 
     model = build_hf("llama-sdpa")
     compiled, be = _compile(model)

@@ -75,7 +75,7 @@ def test_outcomes_refused_only_for_geoscales_own_value_errors():
 def test_cached_amax_attributes_each_write_to_the_module_holding_the_site():
     """Llama's cache writes come from ``self_attn``: layer i to ``model.layers.i.self_attn``,
     its keys (B, n_kv, T, d_h) reduced per kv head."""
-    from geoscale_fx.hf_configs import tiny_model
+    from geoscale_fx.testing.hf_configs import tiny_model
 
     model = tiny_model("llama")
     sites = [f"model.layers.{i}.self_attn" for i in range(2)]
@@ -99,7 +99,7 @@ def test_a_partial_export_is_its_own_outcome_checked_on_the_layers_it_wrote(tmp_
     one layer left at 1.0, layer 0 compared with what the model caches (its kv heads, k and
     v), layer 2 — written by the refused attention — not compared, and no violation."""
     from bench.export_families import _empty_row
-    from geoscale_fx import hf_configs
+    from geoscale_fx.testing import hf_configs
 
     config = hf_configs.tiny_config("olmo_hybrid", per_kind=1)
     config.layer_types = ["full_attention", "linear_attention", "full_attention"]

@@ -129,7 +129,7 @@ def test_summary_counts_supported_calls_and_silent_misses():
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "cpmant"])
 def test_backend_sites_are_the_sites_find_attention_finds(model_type):
     import geoscale_fx
-    from geoscale_fx import hf_configs
+    from geoscale_fx.testing import hf_configs
 
     model = hf_configs.tiny_model(model_type)
     inputs = hf_configs.token_inputs(model, seq_len=32)

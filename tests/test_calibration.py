@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import bounds
+from geoscale_fx.core import bounds
 
 models_zoo = pytest.importorskip("models_zoo")
 

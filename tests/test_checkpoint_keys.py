@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from geoscale_fx import hf_configs
+from geoscale_fx.testing import hf_configs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.checkpoint_scales import checkpoint_layer_scales, meta_model

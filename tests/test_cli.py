@@ -1,6 +1,6 @@
 """geoscale_fx.cli: ``main(argv)`` in process — its output, exit codes and refusals.
 
-tests/test_bounds.py checks the paper table and one custom row; tests/test_export_kv_scales.py
+tests/core/test_bounds.py checks the paper table and one custom row; tests/test_export_kv_scales.py
 a successful export. Here: the custom row's columns against ``calibration_row``, the
 argument refusals, and the exit code of an export that cannot run.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from geoscale_fx import cli
-from geoscale_fx.paper_models import calibration_row
+from geoscale_fx.testing.paper_models import calibration_row
 
 
 def test_custom_row_prints_the_calibration_row(capsys):

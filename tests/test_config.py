@@ -35,7 +35,7 @@ from torch._dynamo.utils import counters
 
 import geoscale_fx
 from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.fp8 import KV_CACHE_FORMATS
+from geoscale_fx.core.fp8 import KV_CACHE_FORMATS
 from tests.attention_variants import DH, D, H, Block
 from tests.hf_models import build_hf
 from tests.test_recipes import SPELLED_AS, recipe_spelling

@@ -26,7 +26,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx.bounds import fp8_max
+from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.logit_bounds import site_logit_bound
 from geoscale_fx.runtime import GraphRuntime
 from models_zoo.nanogpt import GPT, GPTConfig

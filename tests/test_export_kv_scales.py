@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from geoscale_fx.bounds import fp8_max
+from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.cli import main
 from geoscale_fx.export import (KVExportOptions, export_kv_scales, quantization_config)
 from geoscale_fx.weight_kv_scales import WeightKVScales

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx import bounds
+from geoscale_fx.core import bounds
 from geoscale_fx.amax import site_amax_bounds
-from geoscale_fx.bounds import round_up_f32
+from geoscale_fx.core.bounds import round_up_f32
 from geoscale_fx.capture import capture_graphs, find_attention
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.bounds import fp8_max
+from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.weight_kv_scales import WeightKVScales
 from tests.analysis_checks import scale_up_gains_and_biases
 from tests.hf_models import (NEW_TOKENS, build_hf, cache_bytes, kv_cache_runs, plain_cache,

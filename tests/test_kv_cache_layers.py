@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from geoscale_fx import nvfp4
+from geoscale_fx.core import nvfp4
 from geoscale_fx.kv_cache_layers import FP8Layer, NVFP4Layer, cache_nbytes, fp8_cache
 from geoscale_fx.layer_scales import LayerScales
 

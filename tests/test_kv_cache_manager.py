@@ -42,7 +42,7 @@ def test_new_cache_holds_scales_covering_the_traced_bounds_and_rows_report_them(
 def test_a_hybrids_cache_stores_fp8_only_in_its_attention_layer():
     """Qwen3-Next (linear attention, then full attention): cache layer 0 stays transformers'
     ``LinearAttentionLayer``, layer 1 takes the attention's scales (one kv head here)."""
-    from geoscale_fx.hf_configs import tiny_model
+    from geoscale_fx.testing.hf_configs import tiny_model
 
     torch.manual_seed(0)
     manager = KVCacheManager(tiny_model("qwen3_next").eval(), "fp8")

@@ -26,7 +26,7 @@ LAYER_NAMES = ("math", "plain data", "numerics", "policies and planning", "analy
 #: ``test_package_inits_import_nothing_of_the_package``), by layer, bottom-up.
 LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
-    "bounds": MATH, "fp8": MATH, "nvfp4": MATH, "spectral": MATH, "value_radius": MATH, "version_record": MATH, "paper_models": MATH,
+    "core.bounds": MATH, "core.fp8": MATH, "core.nvfp4": MATH, "core.spectral": MATH, "core.parameter_radius": MATH, "version_record": MATH, "testing.paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
     "site_terms": DATA, "site_model": DATA, "recipes": DATA, "option_rules": DATA,
     "config": DATA, "state": DATA, "layer_scales": DATA, "kv_refusals": DATA,
@@ -66,8 +66,8 @@ LAYERS = {
     "wrapper": ENTRY, "conversion": ENTRY, "blocks": ENTRY, "serialization": ENTRY,
     "checkpoint": ENTRY, "calibration": ENTRY, "serving_scales": ENTRY, "export": ENTRY,
     "checkpoint_scales": ENTRY, "checkpoint_reader": ENTRY, "checkpoint_keys": ENTRY,
-    "weightless": ENTRY, "hf_configs": ENTRY,
-    "hf_config_shrinker": ENTRY,
+    "weightless": ENTRY, "testing.hf_configs": ENTRY,
+    "testing.hf_config_shrinker": ENTRY,
     "inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
 }
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from geoscale_fx.fp8 import quantize_dequantize
+from geoscale_fx.core.fp8 import quantize_dequantize
 from geoscale_fx.qkv_attention import (
     P_OFFSET, emulated_fp8_attention, fa3_available, group_descale, operand_scaled_max,
 )

@@ -8,7 +8,7 @@ import torch
 
 import geoscale_fx
 import models_zoo
-from geoscale_fx import bounds
+from geoscale_fx.core import bounds
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.estimators import (
     ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, make_estimator,

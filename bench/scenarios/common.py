@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from geoscale_fx.bounds import fp8_max
+from geoscale_fx.core.bounds import fp8_max
 
 __all__ = ["records", "Observation", "observe_step", "train_steps", "scale_attention_weights"]
 

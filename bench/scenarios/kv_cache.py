@@ -47,9 +47,9 @@ from transformers.cache_utils import DynamicLayer
 import geoscale_fx
 from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
-from geoscale_fx.bounds import fp8_max
-from geoscale_fx.fp8 import quantize_dequantize
-from geoscale_fx.hf_configs import tiny_model
+from geoscale_fx.core.bounds import fp8_max
+from geoscale_fx.core.fp8 import quantize_dequantize
+from geoscale_fx.testing.hf_configs import tiny_model
 from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
 from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.layer_scales import LayerScales
@@ -311,7 +311,7 @@ def fp8_kv_cache(ctx: Context) -> ScenarioResult:
 # FP8 q/k/v attention on the FP8 cache (issue 21)
 # --------------------------------------------------------------------------------------
 
-#: (family of ``geoscale_fx.hf_configs.tiny_model``, what its attention exercises)
+#: (family of ``geoscale_fx.testing.hf_configs.tiny_model``, what its attention exercises)
 QKV_FAMILIES = (("llama", "MHA, RoPE"), ("gpt2", "MHA, fused c_attn"),
                 ("mistral", "GQA 4:1, RoPE"))
 

@@ -5,8 +5,9 @@ import statistics
 
 import geoscale_fx
 from bench.runner import Context, ScenarioResult
-from geoscale_fx import head_weights, spectral
-from geoscale_fx.paper_models import PAPER_MODELS, PAPER_DELTA, PAPER_SEQ_LEN, calibration_row
+from geoscale_fx import head_weights
+from geoscale_fx.core import spectral
+from geoscale_fx.testing.paper_models import PAPER_MODELS, PAPER_DELTA, PAPER_SEQ_LEN, calibration_row
 
 __all__ = ["alpha_table", "spectral_norms"]
 

@@ -24,7 +24,7 @@ from geoscale_fx.passes.graph_ops import VALUE_CASTS, ValueKinds, op_of, shape_o
 from geoscale_fx.passes.index_replay import Unsupported
 from geoscale_fx.passes.normalization import VIEWS, trace_normalized_input
 from geoscale_fx.passes.value_bound import trace_value_bound
-from geoscale_fx.value_radius import radius_nodes
+from geoscale_fx.core.parameter_radius import radius_nodes
 
 __all__ = ["bounded_root"]
 

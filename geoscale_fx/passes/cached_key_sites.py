@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 from torch.fx import Node
 
-from geoscale_fx.fp8 import FP8_DTYPES
+from geoscale_fx.core.fp8 import FP8_DTYPES
 from geoscale_fx.passes.cached_keys import key_sources
 from geoscale_fx.passes.candidate import Candidate
 from geoscale_fx.passes.dtensor import localize_term

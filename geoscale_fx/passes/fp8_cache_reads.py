@@ -34,13 +34,13 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from geoscale_fx.fp8 import FP8_DTYPES
+from geoscale_fx.core.fp8 import FP8_DTYPES
 from geoscale_fx.passes.cached_keys import repeated_kv_heads, whole_vector_slices
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
 
 __all__ = ["FP8CacheRead", "fp8_cache_read", "FP8_STORAGE"]
 
-#: FP8 storage dtypes -> format names (``geoscale_fx.fp8``'s table, inverted)
+#: FP8 storage dtypes -> format names (``geoscale_fx.core.fp8``'s table, inverted)
 FP8_STORAGE = {dtype: fmt for fmt, dtype in FP8_DTYPES.items()}
 
 

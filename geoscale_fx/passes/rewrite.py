@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from geoscale_fx import scaling
 from geoscale_fx.attention import explicit_attention, fused_attention
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
-from geoscale_fx.fp8 import fake_quantize_logits
+from geoscale_fx.core.fp8 import fake_quantize_logits
 from geoscale_fx.passes.checkpoint_inline import RECOMPUTE_TAGS
 from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read

@@ -2,7 +2,7 @@
 
 ``trace_value_bound(x, kinds)`` walks from a projection's input back through the ops whose
 effect on each token's vector norm is bounded by the values of the model's state, and returns
-the expression of that bound (``geoscale_fx.value_radius``), or None where some op on the way
+the expression of that bound (``geoscale_fx.core.parameter_radius``), or None where some op on the way
 is not (a graph input such as raw hidden states, a product of two activations, an unknown op).
 It is the fallback of ``operand_sides.input_source`` when no normalization precedes the
 projection (``normalization.trace_normalized_input`` failed); that function's reason is what

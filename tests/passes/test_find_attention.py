@@ -281,7 +281,8 @@ def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(key, c
     assert (worst <= 1 + 1e-6).all(), worst
     assert worst.max() > 0.05, "the optimizer should find sizeable logits"
     # the paper's B_max on the raw weights (no gain, no bias) is broken by the same inputs
-    from geoscale_fx import head_weights, spectral
+    from geoscale_fx import head_weights
+    from geoscale_fx.core import spectral
 
     broken = 0
     for s, logit in zip(sites, logits):

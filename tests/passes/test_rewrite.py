@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
-from geoscale_fx.bounds import FP8_MAX
+from geoscale_fx.core.bounds import FP8_MAX
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.config import GeoscaleOptions
 from geoscale_fx.logit_bounds import site_logit_bound

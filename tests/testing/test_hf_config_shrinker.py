@@ -1,12 +1,12 @@
-"""``geoscale_fx.hf_config_shrinker``: the generic shrinker of Hugging Face configs, checked on
+"""``geoscale_fx.testing.hf_config_shrinker``: the generic shrinker of Hugging Face configs, checked on
 the invariants it promises (GQA ratio, d = n_q·d_h, per-layer kinds, sums of head widths, token
 ids inside the vocabulary) rather than on a list of expected numbers per family."""
 from __future__ import annotations
 
 import pytest
 
-from geoscale_fx import hf_config_shrinker as shrinker
-from geoscale_fx.hf_config_shrinker import shrink_config
+from geoscale_fx.testing import hf_config_shrinker as shrinker
+from geoscale_fx.testing.hf_config_shrinker import shrink_config
 
 pytestmark = pytest.mark.zoo
 transformers = pytest.importorskip("transformers")

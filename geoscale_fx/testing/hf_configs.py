@@ -2,7 +2,7 @@
 (:func:`tiny_config`), the ``Auto`` class that builds or loads a config, a random-weight
 model of a family (:func:`tiny_model`) and token inputs for one call.
 
-The shrinking itself is generic (``geoscale_fx.hf_config_shrinker``: by field names, never
+The shrinking itself is generic (``geoscale_fx.testing.hf_config_shrinker``: by field names, never
 by family); here a family's default config is made and its shrunk model built. A family
 whose default config transformers cannot build, whose shrunk config its config class
 refuses, or whose shrunk model does not build raises a ``ValueError`` naming it, the reason
@@ -10,7 +10,7 @@ and whether its default config builds.
 
 Example::
 
-    >>> from geoscale_fx.hf_configs import tiny_config, tiny_model
+    >>> from geoscale_fx.testing.hf_configs import tiny_config, tiny_model
     >>> cfg = tiny_config("llama")
     >>> cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     (64, 2, 4, 16)
@@ -22,7 +22,7 @@ import inspect
 
 import torch
 
-from geoscale_fx.hf_config_shrinker import shrink_config
+from geoscale_fx.testing.hf_config_shrinker import shrink_config
 
 __all__ = ["tiny_config", "causal_lm_types", "auto_model_class", "causal_lm_class",
            "model_from_config", "tiny_model", "token_inputs"]
@@ -30,7 +30,7 @@ __all__ = ["tiny_config", "causal_lm_types", "auto_model_class", "causal_lm_clas
 
 def tiny_config(model_type: str, *, per_kind: int = 1, **overrides):
     """The default config of transformers ``model_type``, shrunk by
-    :func:`~geoscale_fx.hf_config_shrinker.shrink_config` keeping ``per_kind`` layers of each
+    :func:`~geoscale_fx.testing.hf_config_shrinker.shrink_config` keeping ``per_kind`` layers of each
     kind of layer (``overrides`` set after).
 
     Raises ``ValueError`` naming ``model_type`` when transformers does not know it or

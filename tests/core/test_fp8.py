@@ -1,4 +1,4 @@
-"""Unit tests for ``geoscale_fx.fp8``: formats, the FP8 round trip, fake quantization, overflow.
+"""Unit tests for ``geoscale_fx.core.fp8``: formats, the FP8 round trip, fake quantization, overflow.
 
 Expected values come from an independent model of the formats (``_reference_round``: round to
 nearest even on a grid of ``mantissa_bits`` fractional bits per binade), from enumerating
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from geoscale_fx.bounds import fp8_max
-from geoscale_fx.fp8 import (FP8_DTYPES, OVERFLOW_RTOL, fake_quantize_logits, fp8_dtype,
+from geoscale_fx.core.bounds import fp8_max
+from geoscale_fx.core.fp8 import (FP8_DTYPES, OVERFLOW_RTOL, fake_quantize_logits, fp8_dtype,
                              overflowed, quantize_dequantize, saturating_cast, scaled_abs_max)
 
 FMTS = ("e4m3", "e5m2")

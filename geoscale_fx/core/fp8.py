@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx.bounds import fp8_max
+from geoscale_fx.core.bounds import fp8_max
 
 __all__ = ["FP8_DTYPES", "NVFP4", "KV_CACHE_FORMATS", "kv_format", "fp8_dtype",
            "saturating_cast", "quantize_dequantize", "fake_quantize_logits", "scaled_abs_max",
@@ -26,7 +26,7 @@ __all__ = ["FP8_DTYPES", "NVFP4", "KV_CACHE_FORMATS", "kv_format", "fp8_dtype",
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
-#: the NVFP4 storage format's name (its numerics: ``geoscale_fx.nvfp4``)
+#: the NVFP4 storage format's name (its numerics: ``geoscale_fx.core.nvfp4``)
 NVFP4 = "nvfp4"
 
 #: ``kv_cache=`` value -> storage format of the KV cache (an FP8 format, or NVFP4)

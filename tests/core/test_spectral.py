@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from geoscale_fx import bounds, spectral
+from geoscale_fx.core import bounds, spectral
 
 SHAPES = [  # (n_q, n_kv, d, d_h): MHA, GQA, MQA over head widths 16 … 128
     (4, 4, 128, 16), (8, 2, 256, 32), (6, 1, 192, 32), (4, 4, 256, 64), (8, 2, 512, 64),

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from geoscale_fx import bounds
+from geoscale_fx.core import bounds
 from geoscale_fx.cli import main as cli_main
-from geoscale_fx.paper_models import PAPER_MODELS, calibration_row
+from geoscale_fx.testing.paper_models import PAPER_MODELS, calibration_row
 
 L, DELTA = 1024, 1e-6
 

@@ -43,7 +43,7 @@ the family's config class may refuse the result (``hf_configs.tiny_config`` name
 Example::
 
     >>> import transformers
-    >>> from geoscale_fx.hf_config_shrinker import shrink_config
+    >>> from geoscale_fx.testing.hf_config_shrinker import shrink_config
     >>> big = transformers.LlamaConfig(hidden_size=8192, num_attention_heads=64,
     ...                                num_key_value_heads=8, num_hidden_layers=80)
     >>> small = shrink_config(big)                     # GQA ratio 8 kept: 8 q heads over 1

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx.bounds import round_up_f32
-from geoscale_fx.fp8 import NVFP4, saturating_cast
+from geoscale_fx.core.bounds import round_up_f32
+from geoscale_fx.core.fp8 import NVFP4, saturating_cast
 
 __all__ = ["NVFP4", "BLOCK", "E2M1_MAX", "E4M3_MAX", "E4M3_MIN_NORMAL", "global_scale",
            "round_e2m1", "block_scale_ratio", "scale_range_counts", "quantize", "dequantize",

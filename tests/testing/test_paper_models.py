@@ -1,6 +1,6 @@
-"""geoscale_fx.paper_models: the paper's architectures and ``calibration_row``.
+"""geoscale_fx.testing.paper_models: the paper's architectures and ``calibration_row``.
 
-tests/test_bounds.py checks the rows against the printed Tables 2-3; here: the shapes of
+tests/core/test_bounds.py checks the rows against the printed Tables 2-3; here: the shapes of
 Table 10, the row's own consistency (each column from its formula, in float64 by hand),
 its defaults, and a refused architecture.
 """
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from geoscale_fx.paper_models import (
+from geoscale_fx.testing.paper_models import (
     PAPER_DELTA, PAPER_MODELS, PAPER_SEQ_LEN, PaperModel, calibration_row,
 )
 

@@ -1,4 +1,4 @@
-"""``geoscale_fx.nvfp4`` and ``kv_cache="nvfp4"``: an emulated NVFP4 KV cache.
+"""``geoscale_fx.core.nvfp4`` and ``kv_cache="nvfp4"``: an emulated NVFP4 KV cache.
 
 The numerics are checked against a float64 reference of the format written here: the E2M1
 grid enumerated explicitly, nearest value with ties to the even code, block scales
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import nvfp4
+from geoscale_fx.core import nvfp4
 from tests.hf_models import (build_hf, cache_bytes, generate_with_logits, kv_cache_runs,
                              plain_cache, prompt)
 

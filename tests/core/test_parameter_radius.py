@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from geoscale_fx import value_radius
-from geoscale_fx.value_radius import FORMS, evaluate_radius, radius_nodes
+from geoscale_fx.core import parameter_radius as value_radius
+from geoscale_fx.core.parameter_radius import FORMS, evaluate_radius, radius_nodes
 
 
 def _max_row_norm(table: torch.Tensor) -> float:

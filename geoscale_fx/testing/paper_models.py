@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from geoscale_fx import bounds
+from geoscale_fx.core import bounds
 
 __all__ = ["PaperModel", "PAPER_MODELS", "PAPER_SEQ_LEN", "PAPER_DELTA", "calibration_row"]
 

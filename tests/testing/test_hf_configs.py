@@ -1,12 +1,12 @@
-"""``geoscale_fx.hf_configs``: a family's default config shrunk, its random-weight model built
+"""``geoscale_fx.testing.hf_configs``: a family's default config shrunk, its random-weight model built
 (or refused by name), the ``Auto`` class of a config and the token inputs of one call. The
-shrinking itself: tests/test_hf_config_shrinker.py."""
+shrinking itself: tests/testing/test_hf_config_shrinker.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from geoscale_fx import hf_config_shrinker, hf_configs
+from geoscale_fx.testing import hf_config_shrinker, hf_configs
 
 pytestmark = pytest.mark.zoo
 transformers = pytest.importorskip("transformers")
