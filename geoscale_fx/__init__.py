@@ -37,12 +37,12 @@ _LAZY = {
     "find_attention": ("geoscale_fx.capture", "find_attention"),
     "backend": ("geoscale_fx.dynamo_backend", "backend"),
     "GeoscaleBackend": ("geoscale_fx.dynamo_backend", "GeoscaleBackend"),
-    "GeoscaleOptions": ("geoscale_fx.config", "GeoscaleOptions"),
-    "Alpha": ("geoscale_fx.recipes", "Alpha"),
-    "GeometryRecipe": ("geoscale_fx.recipes", "GeometryRecipe"),
-    "DelayedRecipe": ("geoscale_fx.recipes", "DelayedRecipe"),
-    "CurrentRecipe": ("geoscale_fx.recipes", "CurrentRecipe"),
-    "NoScalingRecipe": ("geoscale_fx.recipes", "NoScalingRecipe"),
+    "GeoscaleOptions": ("geoscale_fx.options.config", "GeoscaleOptions"),
+    "Alpha": ("geoscale_fx.options.recipes", "Alpha"),
+    "GeometryRecipe": ("geoscale_fx.options.recipes", "GeometryRecipe"),
+    "DelayedRecipe": ("geoscale_fx.options.recipes", "DelayedRecipe"),
+    "CurrentRecipe": ("geoscale_fx.options.recipes", "CurrentRecipe"),
+    "NoScalingRecipe": ("geoscale_fx.options.recipes", "NoScalingRecipe"),
     "wrap": ("geoscale_fx.wrapper", "wrap"),
     "apply_": ("geoscale_fx.conversion", "apply_"),
     "save_state": ("geoscale_fx.serialization", "save_state"),
@@ -56,7 +56,7 @@ _LAZY = {
     "attention_scales": ("geoscale_fx.serving_scales", "attention_scales"),
     "restore_": ("geoscale_fx.conversion", "restore_"),
     "plain_state_dict": ("geoscale_fx.conversion", "plain_state_dict"),
-    "AttentionSite": ("geoscale_fx.site_model", "AttentionSite"),
+    "AttentionSite": ("geoscale_fx.sites.model", "AttentionSite"),
 }
 
 __all__ = sorted(_LAZY)

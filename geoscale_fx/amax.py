@@ -29,8 +29,8 @@ import torch
 
 from geoscale_fx import head_weights
 from geoscale_fx.core import spectral
-from geoscale_fx.site_model import AttentionSite, CacheWrite
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.model import AttentionSite, CacheWrite
+from geoscale_fx.sites.terms import Side
 
 __all__ = ["side_amax", "site_amax_bounds", "cache_write_bounds"]
 

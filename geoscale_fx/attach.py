@@ -33,10 +33,10 @@ from torch import nn
 from torch._dynamo.eval_frame import _get_cache_entries_for_region
 from torch.utils.weak import WeakIdKeyDictionary
 
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.dynamo_backend import GeoscaleBackend
 from geoscale_fx.dynamo_code import fresh_function, release_codes
-from geoscale_fx.state import STATE_ATTR, GeoscaleState
+from geoscale_fx.sites.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "CompiledRegion", "RECOMPILE_LIMIT", "attach_state", "detach_state",
            "compile_with_geoscale", "compile_module", "route_forward", "unroute_forward", "disable_hf_auto_compile",

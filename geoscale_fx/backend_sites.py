@@ -16,8 +16,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.passes.graph_ops import example_value, upstream
 from geoscale_fx.plan import GraphContext, SitePlan
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.state import SiteState
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.state import SiteState
 
 __all__ = ["SiteRecord", "placeholder_values", "upstream_placeholders",
            "site_owners", "graph_context", "global_heads", "symbolic_shapes", "site_device"]

@@ -24,7 +24,7 @@ from torch.fx import GraphModule
 from geoscale_fx.dynamo_code import fresh_function, release_codes
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.module_names import attach_model, frame_root, graph_names
-from geoscale_fx.site_model import AttentionSite
+from geoscale_fx.sites.model import AttentionSite
 
 __all__ = ["CapturedGraph", "capture_graphs", "find_attention"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from geoscale_fx.state import STATE_ATTR, GeoscaleState
+from geoscale_fx.sites.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["load_scaling_state"]
 

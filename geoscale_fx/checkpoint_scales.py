@@ -71,7 +71,7 @@ from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, upstream
-from geoscale_fx.site_model import AttentionSite, CacheWrite
+from geoscale_fx.sites.model import AttentionSite, CacheWrite
 from geoscale_fx.weightless import ConstantProducts, weightless
 
 __all__ = ["CheckpointScales", "checkpoint_layer_scales", "meta_model", "traced_graphs"]

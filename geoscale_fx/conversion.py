@@ -38,11 +38,11 @@ from geoscale_fx.attach import (
     GeoscaleCall, compile_with_geoscale, detach_state, enable_hf_auto_compile, geoscale_call,
     route_forward, unroute_forward,
 )
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
-from geoscale_fx.state import GeoscaleState
+from geoscale_fx.sites.state import GeoscaleState
 from geoscale_fx.wrapper import GeoscaleModule
 
 __all__ = ["apply_", "restore_", "plain_state_dict"]

@@ -27,7 +27,7 @@ from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners)
 from geoscale_fx import graph_cache
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.aten_trace import aten_graph
 from geoscale_fx.passes.checkpoint_inline import inline_activation_checkpoints
@@ -37,8 +37,8 @@ from geoscale_fx.plan import (
     SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
 )
 from geoscale_fx.runtime import GraphRuntime, finalize_calibration
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.state import GeoscaleState, SiteState, site_key
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.state import GeoscaleState, SiteState, site_key
 
 __all__ = ["GeoscaleBackend", "backend", "geoscale_backend"]
 

@@ -23,7 +23,7 @@ Example::
 
     >>> import torch
     >>> from geoscale_fx.estimators import ExactSigma
-    >>> from geoscale_fx.site_terms import HeadWeights, Side, Source, Term
+    >>> from geoscale_fx.sites.terms import HeadWeights, Side, Source, Term
     >>> side = Side(Source("rmsnorm", "norm", 4), "w", "linear", ((0, 1),))
     >>> est = ExactSigma(Term(side, side), prefix="", softmax_scale=0.5, per_layer=False)
     >>> hw = HeadWeights(torch.eye(4)[None, :, :2], None, torch.eye(4)[None, :, :2], None)
@@ -37,8 +37,8 @@ import torch
 
 from geoscale_fx import head_weights, logit_bounds
 from geoscale_fx.core import spectral
-from geoscale_fx.site_terms import HeadWeights, Term
-from geoscale_fx.state import StateSpec
+from geoscale_fx.sites.terms import HeadWeights, Term
+from geoscale_fx.sites.state import StateSpec
 
 __all__ = ["Estimator", "ExactSigma", "PowerSigma", "ExactNormProduct", "PowerNormProduct",
            "ExactObservedKeys", "PowerObservedKeys", "MeasuredOperands", "make_estimator"]

@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from geoscale_fx.core import spectral
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.site_terms import HeadWeights, Side, Term
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.terms import HeadWeights, Side, Term
 from geoscale_fx.core.parameter_radius import evaluate_radius
 
 __all__ = ["Resolve", "gather_heads", "gather_bias", "fold_channel_ops", "observed_heads",

@@ -44,7 +44,7 @@ from geoscale_fx.core import spectral
 from geoscale_fx.capture import find_attention
 from geoscale_fx.testing.hf_configs import token_inputs
 from geoscale_fx.plan import runnable
-from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
 
 __all__ = ["LoadedModel", "load_model", "load_model_type", "site_rows", "sites_report", "main"]
 

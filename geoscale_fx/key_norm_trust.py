@@ -42,7 +42,7 @@ from torch.fx import GraphModule, Node
 from geoscale_fx.head_weights import key_head_norms
 from geoscale_fx.passes.cached_keys import whole_vector_slices
 from geoscale_fx.passes.graph_ops import op_of
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.terms import Side
 from geoscale_fx.version_record import VersionRecord
 
 __all__ = ["KeyNormTrust"]

@@ -56,7 +56,7 @@ from torch import nn
 from geoscale_fx.kv_cache_layers import marked_cache_writes
 from geoscale_fx.kv_refusals import LayerRefusal, with_remedy
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.site_model import AttentionSite, CacheWrite
+from geoscale_fx.sites.model import AttentionSite, CacheWrite
 
 __all__ = ["CacheLayer", "CachePlan", "traced_with_writes", "cache_layers",
            "plan_cache_layers", "layer_scales"]

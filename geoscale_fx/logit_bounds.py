@@ -20,8 +20,8 @@ import torch
 from geoscale_fx import relative_rope_bound
 from geoscale_fx.core import bounds, spectral
 from geoscale_fx.head_weights import Resolve, side_heads, side_radius, site_term_weights
-from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
-from geoscale_fx.site_terms import HeadWeights, Modifier, Side, Term
+from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.sites.terms import HeadWeights, Modifier, Side, Term
 
 __all__ = ["sigma_bound", "norm_product_bound", "term_logit_bound", "apply_modifiers",
            "site_logit_bound"]

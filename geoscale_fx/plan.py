@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.qkv_attention import fa3_available
 from geoscale_fx.qkv_scaling import OperandScaling
 from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
-from geoscale_fx.site_model import AttentionSite, is_certified
-from geoscale_fx.state import StateSpec
+from geoscale_fx.sites.model import AttentionSite, is_certified
+from geoscale_fx.sites.state import StateSpec
 
 __all__ = ["SitePlan", "Skip", "GraphContext", "plan_site", "runnable", "burn_in_variant",
            "reuse_variant", "qkv_fallback_reason"]

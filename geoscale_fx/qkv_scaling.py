@@ -47,8 +47,8 @@ from geoscale_fx.core.bounds import fp8_max, round_up_f32
 from geoscale_fx.core.fp8 import overflowed
 from geoscale_fx.qkv_attention import group_descale, operand_scaled_max
 from geoscale_fx.scaling import NON_FINITE_TAG, ScalingPolicy
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.state import StateSpec
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.state import StateSpec
 
 __all__ = ["OperandScaling", "OPERANDS", "Read"]
 

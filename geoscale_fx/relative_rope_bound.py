@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.site_terms import HeadWeights, Term
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.terms import HeadWeights, Term
 
 __all__ = ["rotary_frequencies", "relative_rotations", "relative_logit_bound"]
 

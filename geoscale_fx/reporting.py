@@ -31,7 +31,7 @@ from geoscale_fx.attach import geoscale_call
 from geoscale_fx.backend_registry import BACKENDS
 from geoscale_fx.backend_sites import SiteRecord
 from geoscale_fx.dynamo_backend import GeoscaleBackend
-from geoscale_fx.site_model import is_certified
+from geoscale_fx.sites.model import is_certified
 
 __all__ = ["Report", "report", "site_records"]
 

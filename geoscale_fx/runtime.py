@@ -36,7 +36,7 @@ from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name, upstream
 from geoscale_fx.passes.module_names import graph_tensor_names
 from geoscale_fx.plan import SitePlan
 from geoscale_fx.scaling import NonFiniteWeights
-from geoscale_fx.state import SiteState
+from geoscale_fx.sites.state import SiteState
 from geoscale_fx.version_record import VersionRecord
 
 __all__ = ["GraphRuntime", "finalize_calibration", "check_finite"]

@@ -20,12 +20,12 @@ import torch
 
 from geoscale_fx import head_weights, logit_bounds
 from geoscale_fx.core import bounds
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.estimators import Estimator, make_estimator
 from geoscale_fx.core.fp8 import overflowed
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.state import StateSpec
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.state import StateSpec
 
 __all__ = ["ScalingPolicy", "GeometryScaling", "DelayedScaling", "CurrentScaling",
            "NoScaling", "Alpha", "make_policy", "common_specs", "observe", "finish_step",

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.attach import STATE_ATTR, attach_state
-from geoscale_fx.state import GeoscaleState
+from geoscale_fx.sites.state import GeoscaleState
 
 __all__ = ["STATE_FILE", "save_state", "load_state", "install_save_pretrained",
            "hook_trainer_resume"]

@@ -39,7 +39,7 @@ from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.graph_ops import upstream
 from geoscale_fx.scaling import NonFiniteWeights
-from geoscale_fx.site_model import CacheWrite
+from geoscale_fx.sites.model import CacheWrite
 
 __all__ = ["WeightKVScales"]
 

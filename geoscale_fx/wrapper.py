@@ -20,10 +20,10 @@ from torch import nn
 from geoscale_fx.attach import (
     STATE_ATTR, GeoscaleCall, compile_with_geoscale, geoscale_call,
 )
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.reporting import report
-from geoscale_fx.state import GeoscaleState
+from geoscale_fx.sites.state import GeoscaleState
 
 __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]
 

@@ -14,7 +14,7 @@ import sys
 from functools import partial
 
 from geoscale_fx.inspection import sites_report
-from geoscale_fx.site_model import ROPE_BOUNDS
+from geoscale_fx.sites.model import ROPE_BOUNDS
 
 from models_zoo.registry import get, names, sizes
 

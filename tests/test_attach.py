@@ -12,7 +12,7 @@ from geoscale_fx.attach import (
     STATE_ATTR, GeoscaleCall, attach_state, detach_state, disable_hf_auto_compile,
     enable_hf_auto_compile, geoscale_call,
 )
-from geoscale_fx.state import GeoscaleState, StateSpec
+from geoscale_fx.sites.state import GeoscaleState, StateSpec
 
 
 def _model_with_site() -> tuple[nn.Module, GeoscaleState]:

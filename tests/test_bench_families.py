@@ -153,7 +153,7 @@ def test_a_family_the_weights_cannot_bound_runs_on_measured_norms_and_says_why()
 
 
 def test_refused_sites_are_listed_by_reason_with_node_numbers_dropped():
-    from geoscale_fx.site_model import AttentionSite
+    from geoscale_fx.sites.model import AttentionSite
 
     why = "`score_{}` is a softmax over `matmul_{}`, but its probabilities never multiply values"
     sites = [AttentionSite(name=f"l{i}", index=i, kind="explicit", node=f"score_{i}",

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from geoscale_fx.attach import attach_state  # noqa: E402
 from geoscale_fx.checkpoint import load_scaling_state  # noqa: E402
-from geoscale_fx.state import StateSpec  # noqa: E402
+from geoscale_fx.sites.state import StateSpec  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning")

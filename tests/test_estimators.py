@@ -14,7 +14,7 @@ from geoscale_fx.estimators import (
     ExactNormProduct, ExactObservedKeys, ExactSigma, PowerNormProduct, PowerObservedKeys,
     PowerSigma, make_estimator,
 )
-from geoscale_fx.site_terms import HeadWeights, Side, Source, Term
+from geoscale_fx.sites.terms import HeadWeights, Side, Source, Term
 
 D, DH, NQ, NKV = 12, 3, 4, 2
 GROUP = NQ // NKV

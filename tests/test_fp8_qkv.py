@@ -24,7 +24,7 @@ from geoscale_fx.core import bounds
 from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.core.bounds import round_up_f32
 from geoscale_fx.capture import capture_graphs, find_attention
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from geoscale_fx import head_weights
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.site_terms import Side, Source, Term
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.terms import Side, Source, Term
 
 D, DH = 6, 2
 # interleaved features: head h of q reads rows 4h, 4h+1 of a fused (F, d) weight

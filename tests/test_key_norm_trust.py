@@ -11,7 +11,7 @@ from torch.fx import Graph, GraphModule
 from geoscale_fx.estimators import ExactObservedKeys, ExactSigma
 from geoscale_fx.head_weights import key_head_norms
 from geoscale_fx.key_norm_trust import KeyNormTrust
-from geoscale_fx.site_terms import Side, Source, Term
+from geoscale_fx.sites.terms import Side, Source, Term
 from geoscale_fx.version_record import VersionRecord
 
 AXES = (1, 3)

@@ -16,8 +16,8 @@ from geoscale_fx.kv_cache_map import (
     cache_layers, layer_scales, plan_cache_layers, traced_with_writes,
 )
 from geoscale_fx.kv_refusals import LayerRefusal
-from geoscale_fx.site_model import AttentionSite, CacheWrite
-from geoscale_fx.site_terms import Side, Source
+from geoscale_fx.sites.model import AttentionSite, CacheWrite
+from geoscale_fx.sites.terms import Side, Source
 
 #: the values' side of a site whose values were traced to their projection
 VALUE = Side(Source("rmsnorm", "norm", 8), "w", "linear", ((0, 1),))

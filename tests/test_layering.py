@@ -28,8 +28,8 @@ LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
     "core.bounds": MATH, "core.fp8": MATH, "core.nvfp4": MATH, "core.spectral": MATH, "core.parameter_radius": MATH, "version_record": MATH, "testing.paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
-    "site_terms": DATA, "site_model": DATA, "recipes": DATA, "option_rules": DATA,
-    "config": DATA, "state": DATA, "layer_scales": DATA, "kv_refusals": DATA,
+    "sites.terms": DATA, "sites.model": DATA, "options.recipes": DATA, "options.rules": DATA,
+    "options.config": DATA, "sites.state": DATA, "layer_scales": DATA, "kv_refusals": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
     "head_weights": NUMERICS, "relative_rope_bound": NUMERICS, "logit_bounds": NUMERICS,
     "amax": NUMERICS, "estimators": NUMERICS,

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.plan import GraphContext, SitePlan, Skip, burn_in_variant, plan_site
 from geoscale_fx.scaling import CurrentScaling, DelayedScaling, GeometryScaling, NoScaling
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.site_terms import Rotary, Side, Source, Term
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.terms import Rotary, Side, Source, Term
 
 D, DH, NQ, NKV = 24, 6, 4, 2
 CPU = GraphContext(device="cpu", training=False, symbolic=False)

@@ -10,7 +10,7 @@ import torch
 
 from geoscale_fx.amax import site_amax_bounds
 from geoscale_fx.capture import find_attention
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.qkv_scaling import OperandScaling, Read
 from tests.hf_models import build_hf
 

@@ -9,7 +9,7 @@ import torch
 import geoscale_fx
 import models_zoo
 from geoscale_fx.core import bounds
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.estimators import (
     ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, make_estimator,
 )
@@ -17,8 +17,8 @@ from geoscale_fx.logit_bounds import apply_modifiers
 from geoscale_fx.scaling import (
     CurrentScaling, DelayedScaling, GeometryScaling, NoScaling, make_policy,
 )
-from geoscale_fx.site_model import AttentionSite
-from geoscale_fx.site_terms import HeadWeights, Modifier, Rotary, Side, Source, Term
+from geoscale_fx.sites.model import AttentionSite
+from geoscale_fx.sites.terms import HeadWeights, Modifier, Rotary, Side, Source, Term
 
 D, DH, NQ, NKV = 24, 6, 4, 2
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from geoscale_fx.attach import attach_state
 from geoscale_fx.serialization import STATE_FILE, install_save_pretrained, load_state, save_state
-from geoscale_fx.state import StateSpec
+from geoscale_fx.sites.state import StateSpec
 
 SPECS = [StateSpec("u", (3,), warm=True), StateSpec("sigma", (1,))]
 

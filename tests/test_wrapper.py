@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.state import GeoscaleState
+from geoscale_fx.sites.state import GeoscaleState
 from geoscale_fx.wrapper import GeoscaleModule, wrap
 from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.attention_variants import Block

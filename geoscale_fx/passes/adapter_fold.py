@@ -21,7 +21,7 @@ from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.operand_sides import input_source
 from geoscale_fx.passes.provenance import HeadRows, OperandTrace
 from geoscale_fx.passes.replay_records import ReplayRecords
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.terms import Side
 
 __all__ = ["fold_added_maps"]
 

@@ -38,7 +38,7 @@ from geoscale_fx.passes.measured_sites import measured_fields
 from geoscale_fx.passes.module_names import graph_names
 from geoscale_fx.passes.opaque_attention import analyze_encoder_layer, analyze_mha
 from geoscale_fx.passes.traced_operands import analyze_operands
-from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
 
 __all__ = ["analyze_graph", "NodeOrder", "ANALYZERS"]
 

@@ -56,8 +56,8 @@ from geoscale_fx.passes.provenance import head_rows, trace_operand
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_whole, check_rotations_within
 from geoscale_fx.passes.value_side import value_operand
-from geoscale_fx.site_model import AttentionSite, CacheWrite
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.model import AttentionSite, CacheWrite
+from geoscale_fx.sites.terms import Side
 
 __all__ = ["cache_write", "is_cache_write", "cache_writes", "sites_and_cache_writes"]
 

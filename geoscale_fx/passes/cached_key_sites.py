@@ -31,7 +31,7 @@ from geoscale_fx.passes.provenance import OperandTrace, head_rows
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_whole
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.site_terms import Side, Source, Term
+from geoscale_fx.sites.terms import Side, Source, Term
 
 __all__ = ["reads_cache", "analyze_cached_keys"]
 

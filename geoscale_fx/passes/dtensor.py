@@ -35,7 +35,7 @@ from torch.fx import Node
 
 from geoscale_fx.passes.graph_ops import VALUE_CASTS, example_value, op_of
 from geoscale_fx.passes.index_track import Unsupported
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.terms import Side
 
 __all__ = ["HeadShard", "dtensor_of", "local_region", "replay_dtensor",
            "token_vector_split", "localize_term", "to_local"]

@@ -21,7 +21,7 @@ from geoscale_fx.passes.operand_sides import position_gain, side_of
 from geoscale_fx.passes.provenance import HeadRows, OperandTrace, head_rows
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_within
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.terms import Side
 
 __all__ = ["term_channels", "term_sides"]
 

@@ -28,7 +28,7 @@ from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.graph_ops import ValueKinds, shape_of
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.site_terms import Side, Source, Term
+from geoscale_fx.sites.terms import Side, Source, Term
 
 __all__ = ["measured_fields"]
 

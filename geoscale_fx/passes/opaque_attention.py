@@ -21,7 +21,7 @@ from geoscale_fx.passes.provenance import (
     HeadRows, NormalizedInput, ProjectionOp, trace_normalized_input,
 )
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.site_terms import Side, Term
+from geoscale_fx.sites.terms import Side, Term
 
 __all__ = ["analyze_mha", "analyze_encoder_layer"]
 

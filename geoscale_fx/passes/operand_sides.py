@@ -24,7 +24,7 @@ from geoscale_fx.passes.provenance import (
 from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import rotated_partners
 from geoscale_fx.passes.value_bound import trace_value_bound
-from geoscale_fx.site_terms import Side, Source
+from geoscale_fx.sites.terms import Side, Source
 
 __all__ = ["source_of", "input_source", "side_of", "bounded_side", "projection_side",
            "side_rotary", "position_gain"]

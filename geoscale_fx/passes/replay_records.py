@@ -28,7 +28,7 @@ from torch.fx import Node
 
 from geoscale_fx.passes import broadcast as bc
 from geoscale_fx.passes.index_track import Track
-from geoscale_fx.site_terms import Rotary
+from geoscale_fx.sites.terms import Rotary
 
 __all__ = ["ReplayRecords"]
 

@@ -29,7 +29,7 @@ from geoscale_fx.passes.rotary_gain import (
     measured_gain, modulus_bound, structural_gain,
 )
 from geoscale_fx.passes.rotary_terms import ComplexValue, RotaryHalf, RotaryTerm, trig_origin
-from geoscale_fx.site_terms import Rotary
+from geoscale_fx.sites.terms import Rotary
 
 __all__ = ["table_term", "combine", "join_halves", "to_complex", "complex_mul",
            "from_complex"]

@@ -21,7 +21,7 @@ from geoscale_fx.passes.graph_ops import DATA_MOVEMENT, VALUE_CASTS, ValueKinds,
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.operand_sides import input_source
 from geoscale_fx.passes.provenance import parameter_names, projection_at
-from geoscale_fx.site_terms import Side
+from geoscale_fx.sites.terms import Side
 
 __all__ = ["sink_side"]
 

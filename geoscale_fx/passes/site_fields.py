@@ -15,7 +15,7 @@ from geoscale_fx.passes.graph_ops import ValueKinds
 from geoscale_fx.passes.head_mapping import score_head_period
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.sink_bound import sink_side
-from geoscale_fx.site_terms import Modifier, Term
+from geoscale_fx.sites.terms import Modifier, Term
 
 __all__ = ["site_fields"]
 

@@ -28,7 +28,7 @@ from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import check_rotations_whole
 from geoscale_fx.passes.site_fields import site_fields
 from geoscale_fx.passes.value_side import value_side
-from geoscale_fx.site_terms import Term
+from geoscale_fx.sites.terms import Term
 
 __all__ = ["analyze_operands"]
 

@@ -10,7 +10,7 @@ from geoscale_fx.passes.operand_sides import (
 )
 from geoscale_fx.passes.provenance import HeadRows, NormalizedInput, ProjectionOp
 from geoscale_fx.passes.replay_records import ReplayRecords
-from geoscale_fx.site_terms import Rotary
+from geoscale_fx.sites.terms import Rotary
 
 CAND = SimpleNamespace(node=SimpleNamespace(name="attn"))
 

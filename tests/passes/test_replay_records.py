@@ -4,7 +4,7 @@ import torch
 
 from geoscale_fx.passes.index_track import Track
 from geoscale_fx.passes.replay_records import ReplayRecords
-from geoscale_fx.site_terms import Rotary
+from geoscale_fx.sites.terms import Rotary
 
 
 def _records(values: dict, constant: bool = True) -> ReplayRecords:

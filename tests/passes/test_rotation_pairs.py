@@ -10,7 +10,7 @@ from geoscale_fx.passes.replay_records import ReplayRecords
 from geoscale_fx.passes.rotation_pairs import (
     check_rotations_whole, check_rotations_within, rotated_partners,
 )
-from geoscale_fx.site_terms import Rotary
+from geoscale_fx.sites.terms import Rotary
 
 CAND = SimpleNamespace(node=SimpleNamespace(name="attn"))
 

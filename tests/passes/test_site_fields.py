@@ -7,7 +7,7 @@ import torch
 
 from geoscale_fx.passes.index_track import Unsupported
 from geoscale_fx.passes.site_fields import site_fields
-from geoscale_fx.site_terms import Modifier
+from geoscale_fx.sites.terms import Modifier
 
 
 def _node(name, op="call_function"):

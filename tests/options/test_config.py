@@ -9,7 +9,7 @@ number, alpha 1.0 / 0.5 / "theory" / "auto", every ``kv_cache`` format that
   ``ValueError`` naming an option the combination changed. The full product of all twenty
   options (~10⁸) is out of reach; every rule of ``GeoscaleOptions`` involves at most three.
 * the recipe spelling, over the same combinations: an accepted one spelled as a recipe
-  (``tests.test_recipes.recipe_spelling``: recipe, quantize / kernel for lowering, the other
+  (``tests.options.test_recipes.recipe_spelling``: recipe, quantize / kernel for lowering, the other
   keywords beside) gives equal options, and ``.recipe`` / ``.quantize`` / ``.kernel`` give the
   spelling back; a refused one is refused in the recipe spelling too, naming an option it set,
   or cannot be written (it sets an option of another strategy).
@@ -34,11 +34,11 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx.config import GeoscaleOptions
+from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.core.fp8 import KV_CACHE_FORMATS
 from tests.attention_variants import DH, D, H, Block
 from tests.hf_models import build_hf
-from tests.test_recipes import SPELLED_AS, recipe_spelling
+from tests.options.test_recipes import SPELLED_AS, recipe_spelling
 
 DEFAULTS = {f.name: f.default for f in fields(GeoscaleOptions)}
 

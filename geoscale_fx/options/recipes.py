@@ -17,7 +17,7 @@ compiler, kv_cache).
 
 Example::
 
-    >>> from geoscale_fx.recipes import Alpha, GeometryRecipe
+    >>> from geoscale_fx.options.recipes import Alpha, GeometryRecipe
     >>> GeometryRecipe(alpha=Alpha("theory", delta=1e-3)).flat()["delta"]
     0.001
     >>> Alpha(0.5, delta=1e-3)

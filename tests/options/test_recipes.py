@@ -21,8 +21,8 @@ from dataclasses import fields
 import pytest
 
 import geoscale_fx
-from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.recipes import (Alpha, CurrentRecipe, DelayedRecipe, GeometryRecipe,
+from geoscale_fx.options.config import GeoscaleOptions
+from geoscale_fx.options.recipes import (Alpha, CurrentRecipe, DelayedRecipe, GeometryRecipe,
                                  NoScalingRecipe)
 
 RECIPES = (GeometryRecipe, DelayedRecipe, CurrentRecipe, NoScalingRecipe)

@@ -1,12 +1,12 @@
 """The cross-option rules of ``GeoscaleOptions`` and of a recipe with quantize / kernel / audit.
 
-The rule (``geoscale_fx.config``): an option set away from its default either takes effect or
+The rule (``geoscale_fx.options.config``): an option set away from its default either takes effect or
 is a ``ValueError`` naming it and the option it depends on. ``check_option_rules`` checks the
 flat options together (run by ``GeoscaleOptions.__post_init__``); ``check_recipe_use``
-checks a recipe of ``geoscale_fx.recipes`` against what is quantized, the kernel and audit
+checks a recipe of ``geoscale_fx.options.recipes`` against what is quantized, the kernel and audit
 (run by ``GeoscaleOptions.from_recipe``).
 
-    >>> from geoscale_fx.config import GeoscaleOptions
+    >>> from geoscale_fx.options.config import GeoscaleOptions
     >>> GeoscaleOptions(estimator="exact", power_iters=3)
     Traceback (most recent call last):
     ...
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from geoscale_fx.recipes import (CurrentRecipe, DelayedRecipe, GeometryRecipe, NoScalingRecipe,
+from geoscale_fx.options.recipes import (CurrentRecipe, DelayedRecipe, GeometryRecipe, NoScalingRecipe,
                                  check_estimator_choices, refuse_changed)
 
 __all__ = ["check_option_rules", "check_recipe_use"]

@@ -5,7 +5,7 @@ The rule: an option a user sets away from its default either takes effect or is 
 
 Example::
 
-    >>> from geoscale_fx.config import GeoscaleOptions
+    >>> from geoscale_fx.options.config import GeoscaleOptions
     >>> GeoscaleOptions(alpha="theory", granularity="layer").granularity
     'layer'
     >>> GeoscaleOptions(scaling="fast")
@@ -21,13 +21,13 @@ Example::
     ...
     ValueError: eta=0.5 only applies to scaling='geometry', got scaling='delayed'
 
-The recipe spelling (``geoscale_fx.recipes``: one object per strategy holding only its own
+The recipe spelling (``geoscale_fx.options.recipes``: one object per strategy holding only its own
 fields) builds the same options; ``quantize`` ("scores" | "qkv") and ``kernel`` ("auto" |
 "fused" | "explicit") are the two choices ``lowering`` encodes ("fp8_qkv" is quantize="qkv").
 The constructor takes the flat keywords; ``from_recipe`` and ``from_kwargs(recipe=...)`` (what
 ``backend``, ``wrap`` and ``apply_`` call) take a recipe, and ``.recipe`` gives it back::
 
-    >>> from geoscale_fx.recipes import Alpha, GeometryRecipe
+    >>> from geoscale_fx.options.recipes import Alpha, GeometryRecipe
     >>> o = GeoscaleOptions.from_recipe(GeometryRecipe(alpha=Alpha("theory")), kernel="explicit")
     >>> o == GeoscaleOptions(alpha="theory", lowering="explicit"), o.recipe.alpha.value
     (True, 'theory')
@@ -43,8 +43,8 @@ from typing import Optional, Union
 
 from geoscale_fx.core.bounds import FP8_MAX
 from geoscale_fx.core.fp8 import kv_format
-from geoscale_fx.option_rules import check_option_rules, check_recipe_use
-from geoscale_fx.recipes import (ALPHA_POLICIES, BACKEND_ROPE_BOUNDS, DELAYED_RECIPES,
+from geoscale_fx.options.rules import check_option_rules, check_recipe_use
+from geoscale_fx.options.recipes import (ALPHA_POLICIES, BACKEND_ROPE_BOUNDS, DELAYED_RECIPES,
                                  ESTIMATORS, GRANULARITIES, RECIPE_KEYWORDS, RECIPES,
                                  check_alpha, check_delta, check_eta, check_int, check_kappa,
                                  check_one_of, check_quantile, recipe_of)
@@ -114,7 +114,7 @@ class GeoscaleOptions:
                   Hugging Face ``generate``.
 
     The recipe spelling: ``GeoscaleOptions.from_recipe(recipe, quantize=, kernel=, audit=,
-    compiler=, kv_cache=)`` with a recipe of ``geoscale_fx.recipes`` for scaling and the
+    compiler=, kv_cache=)`` with a recipe of ``geoscale_fx.options.recipes`` for scaling and the
     options of its strategy; ``.recipe``, ``.quantize`` and ``.kernel`` read them back.
     """
 
@@ -205,7 +205,7 @@ class GeoscaleOptions:
 
     @property
     def recipe(self):
-        """The scaling recipe these options spell (``geoscale_fx.recipes``); with
+        """The scaling recipe these options spell (``geoscale_fx.options.recipes``); with
         ``quantize``, ``kernel``, ``audit``, ``compiler`` and ``kv_cache`` it rebuilds them:
         ``GeoscaleOptions.from_recipe(o.recipe, quantize=o.quantize, ...) == o``."""
         return recipe_of(self)

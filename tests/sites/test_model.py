@@ -1,12 +1,12 @@
-"""geoscale_fx.site_model: the site as plain data — its derived views, exact values by hand."""
+"""geoscale_fx.sites.model: the site as plain data — its derived views, exact values by hand."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from geoscale_fx.site_model import ROPE_BOUNDS, AttentionSite
-from geoscale_fx.site_terms import MODIFIER_KINDS, Modifier, Rotary, Side, Source, Term
+from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
+from geoscale_fx.sites.terms import MODIFIER_KINDS, Modifier, Rotary, Side, Source, Term
 
 
 def _rotary(factor: float) -> Rotary:

@@ -20,7 +20,7 @@ functions of the numerics modules — ``head_weights.site_term_weights(site)``,
 ``is_certified``.
 
 The parts a site is built from (``Rotary``, ``Source``, ``Side``, ``Term``, ``Modifier``,
-``HeadWeights``) live in ``geoscale_fx.site_terms``.
+``HeadWeights``) live in ``geoscale_fx.sites.terms``.
 
 What a forward stores in its KV cache is described the same way, per write
 (``CacheWrite``, found by ``passes.cache_writes``): the stored keys and values are sides too,
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from geoscale_fx.site_terms import Modifier, Side, Term
+from geoscale_fx.sites.terms import Modifier, Side, Term
 
 if TYPE_CHECKING:
-    from geoscale_fx.config import GeoscaleOptions
+    from geoscale_fx.options.config import GeoscaleOptions
 
 __all__ = ["AttentionSite", "CacheWrite", "ROPE_BOUNDS", "is_certified"]
 

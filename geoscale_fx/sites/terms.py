@@ -8,7 +8,7 @@ A ``Term`` pairs a query ``Side`` and a key ``Side``; each side maps a normalize
 (``‖x̂‖ ≤ radius``) by weights, per head: ``q_h = R(A_hᵀ x̂ + c_h)`` with
 ``A_h = diag(gain) · W[:, features[h]]`` and ``R`` an optional ``Rotary``. A ``Modifier`` is
 an op between the summed logits and the softmax. ``HeadWeights`` holds a term's canonical
-per-head tensors. The site that holds them is ``geoscale_fx.site_model.AttentionSite``.
+per-head tensors. The site that holds them is ``geoscale_fx.sites.model.AttentionSite``.
 
     >>> src = Source(norm="rmsnorm", node="norm", width=16)
     >>> side = Side(source=src, weight="w", layout="linear", features=((0, 1), (2, 3)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.state import GeoscaleState, SiteState, StateSpec, site_key
+from geoscale_fx.sites.state import GeoscaleState, SiteState, StateSpec, site_key
 
 LOGGER = "geoscale_fx"
 

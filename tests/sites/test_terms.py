@@ -1,4 +1,4 @@
-"""``geoscale_fx.site_terms``: what a source, side and term derive from their fields (radius,
+"""``geoscale_fx.sites.terms``: what a source, side and term derive from their fields (radius,
 head accounting, the graph nodes and parameters a side reads, the gains of rotations and
 per-position multipliers), each against a number computed here by hand."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from geoscale_fx import site_terms
-from geoscale_fx.site_terms import HeadWeights, Rotary, Side, Source, Term
+from geoscale_fx.sites import terms as site_terms
+from geoscale_fx.sites.terms import HeadWeights, Rotary, Side, Source, Term
 
 
 def _rotary(factor: float) -> Rotary:

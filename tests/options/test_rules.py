@@ -1,7 +1,7 @@
-"""``geoscale_fx.option_rules``: each cross-option rule called directly, on options built
+"""``geoscale_fx.options.rules``: each cross-option rule called directly, on options built
 without ``GeoscaleOptions.__post_init__`` (so the rule under test is the one that refuses),
 and on recipes: a refusal is a ``ValueError`` naming the option set and the one it depends
-on; a combination that takes effect passes. tests/test_config.py and tests/test_recipes.py
+on; a combination that takes effect passes. tests/options/test_config.py and tests/options/test_recipes.py
 check the same rules through the constructors, over products of options."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import copy
 
 import pytest
 
-from geoscale_fx.config import GeoscaleOptions
-from geoscale_fx.option_rules import check_option_rules, check_recipe_use
-from geoscale_fx.recipes import (Alpha, CurrentRecipe, DelayedRecipe, GeometryRecipe,
+from geoscale_fx.options.config import GeoscaleOptions
+from geoscale_fx.options.rules import check_option_rules, check_recipe_use
+from geoscale_fx.options.recipes import (Alpha, CurrentRecipe, DelayedRecipe, GeometryRecipe,
                                  NoScalingRecipe)
 
 #: a value away from the default for each option a rule may refuse
