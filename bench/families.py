@@ -250,7 +250,7 @@ def adversarial_inputs(model, inputs: dict) -> dict:
 def _spy_ratios(calls: list[Call], sites: list) -> list[float]:
     """observed max|S| / logit_bound per head of the supported sites, when calls and sites
     pair one to one in execution order (else nothing to pair)."""
-    from geoscale_fx.logit_bounds import site_logit_bound
+    from geoscale_fx.numerics.logit_bounds import site_logit_bound
 
     if len(calls) != len(sites):
         return []
@@ -367,7 +367,7 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
     layer makes Dynamo compile the layer's frame once and run that graph for every layer:
     one site, several calls)."""
     from geoscale_fx.passes.analyze import analyze_graph
-    from geoscale_fx.plan import runnable
+    from geoscale_fx.planning.plan import runnable
 
     graphs: list[list] = []
 
@@ -417,7 +417,7 @@ def _run_family(row: dict, model_type: str, compiler: str = "aot_eager") -> None
     failure of the ``none`` wrapper: the sites then come from ``find_attention``)."""
     import geoscale_fx
     from geoscale_fx.testing import hf_configs
-    from geoscale_fx.plan import runnable
+    from geoscale_fx.planning.plan import runnable
 
     try:
         model = hf_configs.tiny_model(model_type)

@@ -41,7 +41,7 @@ from torch._dynamo.utils import counters
 
 import geoscale_fx
 from bench.timing import interleaved
-from geoscale_fx import attention
+from geoscale_fx.kernels import logit_attention as attention
 from geoscale_fx.core import fp8
 
 __all__ = ["main", "decode_programs"]

@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 
 import geoscale_fx
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 
 BOUNDS = ("interaction", "relative", "norm_product")
 

@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.passes.graph_ops import example_value, upstream
-from geoscale_fx.plan import GraphContext, SitePlan
+from geoscale_fx.planning.plan import GraphContext, SitePlan
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.state import SiteState
 

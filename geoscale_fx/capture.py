@@ -7,7 +7,7 @@ Example::
     >>> sites = geoscale_fx.find_attention(layer, torch.randn(2, 10, 64))
     >>> [(s.name, s.kind, s.n_q_heads, s.supported) for s in sites]
     [('self_attn', 'mha', 4, True)]
-    >>> from geoscale_fx.logit_bounds import site_logit_bound
+    >>> from geoscale_fx.numerics.logit_bounds import site_logit_bound
     >>> site_logit_bound(sites[0]).shape
     torch.Size([4])
 """

@@ -57,7 +57,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from geoscale_fx.amax import cache_write_bounds, site_amax_bounds
+from geoscale_fx.numerics.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader

@@ -33,7 +33,7 @@ from geoscale_fx.passes.aten_trace import aten_graph
 from geoscale_fx.passes.checkpoint_inline import inline_activation_checkpoints
 from geoscale_fx.passes.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.passes.rewrite import rewrite
-from geoscale_fx.plan import (
+from geoscale_fx.planning.plan import (
     SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
 )
 from geoscale_fx.runtime import GraphRuntime, finalize_calibration

@@ -39,7 +39,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from geoscale_fx.head_weights import key_head_norms
+from geoscale_fx.numerics.head_weights import key_head_norms
 from geoscale_fx.passes.cached_keys import whole_vector_slices
 from geoscale_fx.passes.graph_ops import op_of
 from geoscale_fx.sites.terms import Side

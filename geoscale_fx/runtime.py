@@ -34,8 +34,8 @@ from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name, upstream
 from geoscale_fx.passes.module_names import graph_tensor_names
-from geoscale_fx.plan import SitePlan
-from geoscale_fx.scaling import NonFiniteWeights
+from geoscale_fx.planning.plan import SitePlan
+from geoscale_fx.planning.scaling import NonFiniteWeights
 from geoscale_fx.sites.state import SiteState
 from geoscale_fx.version_record import VersionRecord
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from geoscale_fx import amax
+from geoscale_fx.numerics import amax
 from geoscale_fx.capture import CapturedGraph, capture_graphs
 from geoscale_fx.kv_cache_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
@@ -38,7 +38,7 @@ from geoscale_fx.layer_scales import LayerScales
 from geoscale_fx.passes.cache_writes import sites_and_cache_writes
 from geoscale_fx.passes.dtensor import to_local
 from geoscale_fx.passes.graph_ops import upstream
-from geoscale_fx.scaling import NonFiniteWeights
+from geoscale_fx.planning.scaling import NonFiniteWeights
 from geoscale_fx.sites.model import CacheWrite
 
 __all__ = ["WeightKVScales"]

@@ -20,8 +20,8 @@ from torch.fx import GraphModule, Interpreter, Node
 
 import geoscale_fx
 from geoscale_fx.capture import capture_graphs
-from geoscale_fx.head_weights import site_head_weights, site_term_weights
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.head_weights import site_head_weights, site_term_weights
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.evaluate import ParamEvaluator
 from geoscale_fx.passes.graph_ops import ValueKinds, arg, matmul_operands, op_of

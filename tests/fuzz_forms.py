@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import geoscale_fx
-from geoscale_fx import amax, logit_bounds
+from geoscale_fx.numerics import amax, logit_bounds
 
 NORMS = ("layernorm", "rmsnorm", "rms_decomposed", "gemma", "pow", "none")
 PROJECTIONS = ("separate", "fused_chunk", "fused_interleaved", "mla", "lora_q", "lora_v")

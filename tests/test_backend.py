@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.head_weights import site_head_weights
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.head_weights import site_head_weights
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests.analysis_checks import assert_none_scaling_equals_eager, model_output
 from tests.attention_variants import D, VARIANTS
 from tests.hf_models import HF_MODELS, build_hf

@@ -22,7 +22,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 import geoscale_fx
-from geoscale_fx.head_weights import key_head_norms
+from geoscale_fx.numerics.head_weights import key_head_norms
 from geoscale_fx.passes.cached_keys import key_sources
 from geoscale_fx.passes.graph_ops import ValueKinds
 from tests.hf_models import build_hf

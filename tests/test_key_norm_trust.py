@@ -8,8 +8,8 @@ import types
 import torch
 from torch.fx import Graph, GraphModule
 
-from geoscale_fx.estimators import ExactObservedKeys, ExactSigma
-from geoscale_fx.head_weights import key_head_norms
+from geoscale_fx.numerics.estimators import ExactObservedKeys, ExactSigma
+from geoscale_fx.numerics.head_weights import key_head_norms
 from geoscale_fx.key_norm_trust import KeyNormTrust
 from geoscale_fx.sites.terms import Side, Source, Term
 from geoscale_fx.version_record import VersionRecord

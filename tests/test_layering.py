@@ -31,11 +31,11 @@ LAYERS = {
     "sites.terms": DATA, "sites.model": DATA, "options.recipes": DATA, "options.rules": DATA,
     "options.config": DATA, "sites.state": DATA, "layer_scales": DATA, "kv_refusals": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
-    "head_weights": NUMERICS, "relative_rope_bound": NUMERICS, "logit_bounds": NUMERICS,
-    "amax": NUMERICS, "estimators": NUMERICS,
-    "distributed": NUMERICS, "attention": NUMERICS, "qkv_attention": NUMERICS,
+    "numerics.head_weights": NUMERICS, "numerics.relative_rope_bound": NUMERICS, "numerics.logit_bounds": NUMERICS,
+    "numerics.amax": NUMERICS, "numerics.estimators": NUMERICS,
+    "numerics.distributed": NUMERICS, "kernels.logit_attention": NUMERICS, "kernels.qkv_attention": NUMERICS,
     # policies and planning
-    "scaling": POLICIES, "qkv_scaling": POLICIES, "plan": POLICIES,
+    "planning.scaling": POLICIES, "planning.qkv_scaling": POLICIES, "planning.plan": POLICIES,
     # analysis: FX passes that find and describe sites, and the capture that runs them
     "passes.module_names": ANALYSIS, "passes.checkpoint_inline": ANALYSIS, "passes.graph_ops": ANALYSIS, "passes.broadcast": ANALYSIS, "passes.index_track": ANALYSIS,
     "passes.rotary_replay": ANALYSIS, "passes.dtensor": ANALYSIS,
@@ -89,7 +89,7 @@ REPOSITORY_TOOLS = {"models_zoo", "bench"}
 @dataclass(frozen=True)
 class Import:
     module: str        # importing module, relative to the package ("passes.rewrite")
-    target: str        # imported module, absolute ("geoscale_fx.logit_bounds", "torch.fx")
+    target: str        # imported module, absolute ("geoscale_fx.numerics.logit_bounds", "torch.fx")
     line: int
     top: bool          # a statement of the module body itself
 
@@ -111,8 +111,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 def _targets(node: ast.stmt, module: str, is_package: bool, known: set[str]) -> list[str]:
     """Absolute names of the modules ``node`` imports, each once: ``from geoscale_fx import
-    logit_bounds`` imports the module ``geoscale_fx.logit_bounds``, ``from
-    geoscale_fx.logit_bounds import f, g`` the module ``geoscale_fx.logit_bounds``."""
+    logit_bounds`` imports the module ``geoscale_fx.numerics.logit_bounds``, ``from
+    geoscale_fx.numerics.logit_bounds import f, g`` the module ``geoscale_fx.numerics.logit_bounds``."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     base = node.module or ""
@@ -278,18 +278,19 @@ def test_every_lazy_third_party_reason_is_still_used():
 
 
 def test_the_import_scan_sees_nested_and_type_checking_imports():
-    known = {"geoscale_fx", "geoscale_fx.logit_bounds", "geoscale_fx.passes",
-             "geoscale_fx.passes.graph_ops"}
-    source = ("from typing import TYPE_CHECKING\nfrom geoscale_fx import logit_bounds\n"
-              "from . import graph_ops\nif TYPE_CHECKING:\n    import geoscale_fx.cli\n"
+    """On made-up module names (``layer.x`` importing its sibling and ``low.bound``)."""
+    known = {"geoscale_fx", "geoscale_fx.low.bound", "geoscale_fx.layer",
+             "geoscale_fx.layer.ops"}
+    source = ("from typing import TYPE_CHECKING\nfrom geoscale_fx.low import bound\n"
+              "from . import ops\nif TYPE_CHECKING:\n    import geoscale_fx.cli\n"
               "else:\n    import os\nclass C:\n    import json\n"
-              "def f():\n    from geoscale_fx.logit_bounds import g\n")
-    found = _imports("passes.x", source, False, known)
+              "def f():\n    from geoscale_fx.low.bound import g\n")
+    found = _imports("layer.x", source, False, known)
     assert [(i.target, i.line, i.top) for i in found] == [
-        ("typing", 1, True), ("geoscale_fx.logit_bounds", 2, True),
-        ("geoscale_fx.passes.graph_ops", 3, True), ("os", 7, False), ("json", 9, False),
-        ("geoscale_fx.logit_bounds", 11, False)]
-    assert _nested_internal(found) == ["passes.x:11 imports geoscale_fx.logit_bounds"]
+        ("typing", 1, True), ("geoscale_fx.low.bound", 2, True),
+        ("geoscale_fx.layer.ops", 3, True), ("os", 7, False), ("json", 9, False),
+        ("geoscale_fx.low.bound", 11, False)]
+    assert _nested_internal(found) == ["layer.x:11 imports geoscale_fx.low.bound"]
 
 
 def test_package_inits_import_nothing_of_the_package():

@@ -6,8 +6,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx.head_weights import site_term_weights
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.head_weights import site_term_weights
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests.analysis_checks import assert_none_scaling_equals_eager
 
 
@@ -45,7 +45,7 @@ def test_softcap_is_a_modifier_and_caps_the_bound():
     assert site.modifiers[0].value == 5.0
     assert site.softmax_scale == pytest.approx(8 ** -0.5)
     uncapped = site.with_rope_bound("norm_product")      # same site, exact bound
-    from geoscale_fx import logit_bounds
+    from geoscale_fx.numerics import logit_bounds
 
     raw = sum(logit_bounds.term_logit_bound(site, t, hw, "norm_product")
               for t, hw in zip(site.terms, site_term_weights(site)))
@@ -145,7 +145,7 @@ def test_sinks_are_found_and_the_bound_covers_them():
     site, = geoscale_fx.find_attention(model, torch.randn(2, 6, 32))
     assert site.supported, site.reason
     assert [m.kind for m in site.modifiers] == ["mask", "sink", "mask"]
-    from geoscale_fx import logit_bounds
+    from geoscale_fx.numerics import logit_bounds
 
     raw = sum(logit_bounds.term_logit_bound(site, t, hw, "norm_product")
               for t, hw in zip(site.terms, site_term_weights(site)))

@@ -53,7 +53,7 @@ from geoscale_fx.testing.hf_configs import tiny_model
 from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
 from geoscale_fx.kv_cache_manager import KVCacheManager
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.qkv_attention import emulated_fp8_attention
+from geoscale_fx.kernels.qkv_attention import emulated_fp8_attention
 from geoscale_fx.weight_kv_scales import WeightKVScales
 
 __all__ = ["fp8_kv_cache", "METHODS", "SEEDS", "QKV_FAMILIES", "fp8_qkv_decode_errors",

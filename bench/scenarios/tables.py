@@ -5,7 +5,7 @@ import statistics
 
 import geoscale_fx
 from bench.runner import Context, ScenarioResult
-from geoscale_fx import head_weights
+from geoscale_fx.numerics import head_weights
 from geoscale_fx.core import spectral
 from geoscale_fx.testing.paper_models import PAPER_MODELS, PAPER_DELTA, PAPER_SEQ_LEN, calibration_row
 

@@ -1,8 +1,8 @@
 """The rewrite: replace each planned attention with a program that scales its logits to FP8.
 
 For an SDPA site the call is replaced by ``program(q, k, v, attn_mask, *weights, *state)``
-(fused flex_attention or explicit attention, ``geoscale_fx.attention``; with
-``lowering="fp8_qkv"`` attention on FP8 q, k, v, ``geoscale_fx.qkv_attention``; where k and v
+(fused flex_attention or explicit attention, ``geoscale_fx.kernels.logit_attention``; with
+``lowering="fp8_qkv"`` attention on FP8 q, k, v, ``geoscale_fx.kernels.qkv_attention``; where k and v
 are read from a KV cache, the program also takes the FP8 cache's scale nodes the operands
 are dequantized with, ``passes.fp8_cache_reads``). For a model's own
 explicit attention the softmax's input (the ``logits`` role: the scores ``q @ kᵀ``, or a
@@ -22,17 +22,17 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from geoscale_fx import scaling
-from geoscale_fx.attention import explicit_attention, fused_attention
-from geoscale_fx.distributed import per_layer_reduced, reduce_max
+from geoscale_fx.planning import scaling
+from geoscale_fx.kernels.logit_attention import explicit_attention, fused_attention
+from geoscale_fx.numerics.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.core.fp8 import fake_quantize_logits
 from geoscale_fx.passes.checkpoint_inline import RECOMPUTE_TAGS
 from geoscale_fx.passes.dtensor import dtensor_of
 from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read
 from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
-from geoscale_fx.plan import SitePlan
-from geoscale_fx.qkv_attention import emulated_fp8_attention, fa3_fp8_attention
-from geoscale_fx.qkv_scaling import Read
+from geoscale_fx.planning.plan import SitePlan
+from geoscale_fx.kernels.qkv_attention import emulated_fp8_attention, fa3_fp8_attention
+from geoscale_fx.planning.qkv_scaling import Read
 
 log = logging.getLogger("geoscale_fx")
 

@@ -8,7 +8,7 @@ Each side of a term is a normalized ``Source`` (``‖x̂‖ ≤ radius``) mapped
 ``q_h = R(A_hᵀ x̂ + c_h)`` with ``A_h = diag(gain) · W[:, features[h]]``, ``c_h`` from the
 offset and bias, and ``R`` an optional rotation (RoPE). Today's sites are one term; a
 multi-term logit (MLA's latent part plus its decoupled RoPE part) is several, and its bound
-is the sum of the terms' bounds, pushed through the modifiers (``geoscale_fx.logit_bounds``).
+is the sum of the terms' bounds, pushed through the modifiers (``geoscale_fx.numerics.logit_bounds``).
 
 Graph nodes are referred to by name (names are unique within a graph and survive
 ``copy.deepcopy`` of the GraphModule), so a site can be matched against the graph the backend

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from geoscale_fx.amax import cache_write_bounds, site_amax_bounds
+from geoscale_fx.numerics.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.kv_cache_layers import marked_cache_writes
 from geoscale_fx.passes.analyze import analyze_graph

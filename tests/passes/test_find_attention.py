@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.amax import site_amax_bounds
+from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.capture import capture_graphs
-from geoscale_fx.head_weights import site_head_weights
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.head_weights import site_head_weights
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from tests import analysis_checks as checks
 from tests.attention_variants import (
@@ -281,7 +281,7 @@ def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(key, c
     assert (worst <= 1 + 1e-6).all(), worst
     assert worst.max() > 0.05, "the optimizer should find sizeable logits"
     # the paper's B_max on the raw weights (no gain, no bias) is broken by the same inputs
-    from geoscale_fx import head_weights
+    from geoscale_fx.numerics import head_weights
     from geoscale_fx.core import spectral
 
     broken = 0

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.head_weights import site_head_weights
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.head_weights import site_head_weights
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests import analysis_checks as checks
 from tests.hf_models import build_hf
 
@@ -106,7 +106,7 @@ def test_an_adapter_on_v_proj_is_folded_into_the_values_bound():
     """PEFT's default targets include v_proj: the values' amax bound (what an FP8 KV cache
     and fp8_qkv read) folds the adapter as q and k do (found by the fuzz generator: it used
     to report "the value comes from several projections" and bound nothing)."""
-    from geoscale_fx.amax import site_amax_bounds
+    from geoscale_fx.numerics.amax import site_amax_bounds
 
     model = _lora(build_hf("llama-sdpa"), targets=("v_proj",)).eval()
     ids = torch.randint(0, 128, (2, 8))

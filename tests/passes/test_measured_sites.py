@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import geoscale_fx
-from geoscale_fx.logit_bounds import site_logit_bound
-from geoscale_fx.plan import runnable
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
+from geoscale_fx.planning.plan import runnable
 from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.attention_variants import D, DH, H, RawQueryIsInput, Unnormalized
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import geoscale_fx
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests import analysis_checks as checks
 
 COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import geoscale_fx
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests.analysis_checks import assert_none_scaling_equals_eager
 
 B, L, D, H = 2, 8, 32, 4

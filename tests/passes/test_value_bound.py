@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import geoscale_fx
 from geoscale_fx.capture import capture_graphs
-from geoscale_fx.head_weights import side_radius
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics.head_weights import side_radius
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from geoscale_fx.passes.analyze import analyze_graph
 from geoscale_fx.passes.graph_ops import ValueKinds, op_of
 from geoscale_fx.passes.index_replay import Unsupported

@@ -14,21 +14,21 @@ Lowerings:
 * ``"inplace"``: the model's own explicit attention keeps its mask, softmax and ``· V``; the
   softmax's input (``logits`` role: the scores, or the softcap's output) is quantized;
 * ``"fp8_qkv"`` (only when asked for: ``lowering="fp8_qkv"``): SDPA replaced by attention on
-  FP8 q, k, v with descales predicted from the weights (``geoscale_fx.qkv_scaling``) —
+  FP8 q, k, v with descales predicted from the weights (``geoscale_fx.planning.qkv_scaling``) —
   FlashAttention-3's FP8 kernel (``qkv_kernel="fa3"``) or its emulation (``"emulated"``).
   A site whose q, k or v bound cannot be derived keeps a logit lowering, and the plan says
   why (``qkv_fallback``). At a site reading a KV cache (decode) q is bounded from the weights
   and k, v from the cache (its FP8 storage scale, or the values it holds:
-  ``geoscale_fx.qkv_scaling``).
+  ``geoscale_fx.planning.qkv_scaling``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.qkv_attention import fa3_available
-from geoscale_fx.qkv_scaling import OperandScaling
-from geoscale_fx.scaling import ScalingPolicy, common_specs, make_policy
+from geoscale_fx.kernels.qkv_attention import fa3_available
+from geoscale_fx.planning.qkv_scaling import OperandScaling
+from geoscale_fx.planning.scaling import ScalingPolicy, common_specs, make_policy
 from geoscale_fx.sites.model import AttentionSite, is_certified
 from geoscale_fx.sites.state import StateSpec
 

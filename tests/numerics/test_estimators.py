@@ -1,6 +1,6 @@
-"""geoscale_fx.estimators: each estimator's bound against torch.linalg on explicit matrices.
+"""geoscale_fx.numerics.estimators: each estimator's bound against torch.linalg on explicit matrices.
 
-tests/test_scaling.py covers the per-head σ estimators and ``make_estimator``'s choice for
+tests/planning/test_scaling.py covers the per-head σ estimators and ``make_estimator``'s choice for
 weight terms; here: the per-layer σ, the power estimates staying ≤ the exact σ, the cold-start
 floors of the RoPE norm product, the observed-keys estimators and the inference ``reuse``.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoscale_fx import head_weights
-from geoscale_fx.estimators import (
+from geoscale_fx.numerics import head_weights
+from geoscale_fx.numerics.estimators import (
     ExactNormProduct, ExactObservedKeys, ExactSigma, PowerNormProduct, PowerObservedKeys,
     PowerSigma, make_estimator,
 )

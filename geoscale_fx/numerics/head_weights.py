@@ -4,8 +4,8 @@ The analysis (``geoscale_fx.passes``) describes each side of a term as a ``Side`
 weight columns form each head, which per-channel gains and offsets follow the normalization,
 which bias is added. The functions here turn that description plus the current parameter
 tensors into ``(A, c)`` with ``q_h = A_hᵀ x̂ + c_h`` (``A: (n, d, d_h)``, ``c: (n, d_h)``),
-the ``HeadWeights`` that the bounds on ``|S|`` (``geoscale_fx.logit_bounds``) and on q/k/v
-entries (``geoscale_fx.amax``) are computed from.
+the ``HeadWeights`` that the bounds on ``|S|`` (``geoscale_fx.numerics.logit_bounds``) and on q/k/v
+entries (``geoscale_fx.numerics.amax``) are computed from.
 
 They are pure and traceable: the backend calls the same code inside the compiled graph, with
 ``resolve`` returning graph values instead of eager tensors.

@@ -1,4 +1,4 @@
-"""Unit tests for ``geoscale_fx.attention``: fused (flex_attention) and explicit attention.
+"""Unit tests for ``geoscale_fx.kernels.logit_attention``: fused (flex_attention) and explicit attention.
 
 References are independent of the code under test: ``F.scaled_dot_product_attention`` in
 float64 when nothing is quantized, and ``_reference_attention`` (float64, written out below)
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from geoscale_fx.attention import explicit_attention, fused_attention, head_divisor
+from geoscale_fx.kernels.logit_attention import explicit_attention, fused_attention, head_divisor
 
 B, H, D = 2, 4, 16
 RTOL, ATOL = 1e-5, 1e-6

@@ -1,9 +1,9 @@
 """The certified bound on an attention site's logits, from its per-head weights.
 
-Per term, from the ``HeadWeights`` of ``geoscale_fx.head_weights``: the affine bound of
+Per term, from the ``HeadWeights`` of ``geoscale_fx.numerics.head_weights``: the affine bound of
 ``σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂`` (``sigma_bound``), with RoPE the norm product
 ``‖A_q,h‖‖A_k,g(h)‖`` (``norm_product_bound``) or the maximum over relative positions
-(``geoscale_fx.relative_rope_bound``); for the site, the terms' sum pushed through the score
+(``geoscale_fx.numerics.relative_rope_bound``); for the site, the terms' sum pushed through the score
 modifiers::
 
     bound(S) = modifiers( Σ_t bound_t )
@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from geoscale_fx import relative_rope_bound
+from geoscale_fx.numerics import relative_rope_bound
 from geoscale_fx.core import bounds, spectral
-from geoscale_fx.head_weights import Resolve, side_heads, side_radius, site_term_weights
+from geoscale_fx.numerics.head_weights import Resolve, side_heads, side_radius, site_term_weights
 from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
 from geoscale_fx.sites.terms import HeadWeights, Modifier, Side, Term
 

@@ -1,13 +1,13 @@
-"""geoscale_fx.relative_rope_bound (``rope_bound="relative"``): the exact maximum over position
+"""geoscale_fx.numerics.relative_rope_bound (``rope_bound="relative"``): the exact maximum over position
 pairs, with biases against a brute force, and its refusals."""
 
 import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import relative_rope_bound
-from geoscale_fx.head_weights import site_head_weights
-from geoscale_fx.logit_bounds import site_logit_bound
+from geoscale_fx.numerics import relative_rope_bound
+from geoscale_fx.numerics.head_weights import site_head_weights
+from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests.attention_variants import D, DH, VARIANTS, _rope_tables, _rotate_every_two, _rotate_half
 
 L = 10

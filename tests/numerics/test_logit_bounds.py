@@ -1,12 +1,12 @@
-"""geoscale_fx.logit_bounds: the site bound against a float64 brute force, on hand-built sites
-(no tracing; the sites of ``tests/test_head_weights.py``)."""
+"""geoscale_fx.numerics.logit_bounds: the site bound against a float64 brute force, on hand-built sites
+(no tracing; the sites of ``tests/numerics/test_head_weights.py``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from geoscale_fx import logit_bounds
-from tests.test_head_weights import K_FEATURES, Q_FEATURES, D, _site, _tensors
+from geoscale_fx.numerics import logit_bounds
+from tests.numerics.test_head_weights import K_FEATURES, Q_FEATURES, D, _site, _tensors
 
 
 def test_site_bound_is_attained_without_offsets_and_covers_brute_force_with_them():

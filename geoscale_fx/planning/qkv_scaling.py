@@ -5,7 +5,7 @@ Per kv head ``g`` (the kernel's layout, FA3's ``(batch, n_kv_heads)`` descales):
     δ_k,g = B_k,g / (η · R_max),   δ_v,g = B_v,g / (η · R_max),
     δ_q,g = max_{h ∈ group(g)} B_q,h / (η · R_max)
 
-with ``B`` the certified bounds on ``max |entry|`` of each head (``geoscale_fx.amax``:
+with ``B`` the certified bounds on ``max |entry|`` of each head (``geoscale_fx.numerics.amax``:
 ``|q_h,i| ≤ ρ‖a_i‖ + |c_i|``, pair norms under RoPE). Every entry then satisfies
 ``|x / δ| ≤ η · R_max``: the cast never saturates, whatever the input. The bounds are
 recomputed from the weights whenever they change (so they are right after every optimizer
@@ -41,12 +41,12 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx import amax
+from geoscale_fx.numerics import amax
 from geoscale_fx.core import bounds
 from geoscale_fx.core.bounds import fp8_max, round_up_f32
 from geoscale_fx.core.fp8 import overflowed
-from geoscale_fx.qkv_attention import group_descale, operand_scaled_max
-from geoscale_fx.scaling import NON_FINITE_TAG, ScalingPolicy
+from geoscale_fx.kernels.qkv_attention import group_descale, operand_scaled_max
+from geoscale_fx.planning.scaling import NON_FINITE_TAG, ScalingPolicy
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.state import StateSpec
 

@@ -10,11 +10,11 @@ import geoscale_fx
 import models_zoo
 from geoscale_fx.core import bounds
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.estimators import (
+from geoscale_fx.numerics.estimators import (
     ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, make_estimator,
 )
-from geoscale_fx.logit_bounds import apply_modifiers
-from geoscale_fx.scaling import (
+from geoscale_fx.numerics.logit_bounds import apply_modifiers
+from geoscale_fx.planning.scaling import (
     CurrentScaling, DelayedScaling, GeometryScaling, NoScaling, make_policy,
 )
 from geoscale_fx.sites.model import AttentionSite
@@ -117,7 +117,7 @@ def test_a_two_term_site_is_bounded_by_the_sum_of_its_terms():
     site = _site([t0, t1])
     policy = GeometryScaling(site, GeoscaleOptions(estimator="exact"), NQ, NQ)
     state = {s.name: torch.full(s.shape, float(s.fill)) for s in
-             __import__("geoscale_fx.scaling", fromlist=["x"]).common_specs(NQ) + policy.specs()}
+             __import__("geoscale_fx.planning.scaling", fromlist=["x"]).common_specs(NQ) + policy.specs()}
     weights = {"w": None}
     policy._term_weights = lambda _: [hw0, hw1]           # the two terms' weights
     divisor = policy.predict(weights, state, seq_len=8)

@@ -22,7 +22,7 @@ State names of term ``t > 0`` carry the prefix ``t{t}_``.
 Example::
 
     >>> import torch
-    >>> from geoscale_fx.estimators import ExactSigma
+    >>> from geoscale_fx.numerics.estimators import ExactSigma
     >>> from geoscale_fx.sites.terms import HeadWeights, Side, Source, Term
     >>> side = Side(Source("rmsnorm", "norm", 4), "w", "linear", ((0, 1),))
     >>> est = ExactSigma(Term(side, side), prefix="", softmax_scale=0.5, per_layer=False)
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx import head_weights, logit_bounds
+from geoscale_fx.numerics import head_weights, logit_bounds
 from geoscale_fx.core import spectral
 from geoscale_fx.sites.terms import HeadWeights, Term
 from geoscale_fx.sites.state import StateSpec

@@ -7,7 +7,7 @@ A policy is a small object: its state (``specs``), the divisor before the logits
 place that picks the policy for a site is :func:`make_policy`.
 
 * ``GeometryScaling``: ``scale = α · B / (η · R_max)`` with ``B = M(Σ_t bound_t)`` the site's
-  bound (one estimator per term, ``geoscale_fx.estimators``; M the modifiers) and α from an
+  bound (one estimator per term, ``geoscale_fx.numerics.estimators``; M the modifiers) and α from an
   ``Alpha`` policy (a constant, the paper's α_min of the *current* length, or auto-α);
 * ``DelayedScaling`` (paper): ``max(history) / (R_max · 0.9)``, history of 16 maxima
   initialised to 1.0; (TransformerEngine): multiplier ``(R_max / amax) / 2^margin`` from a
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from geoscale_fx import head_weights, logit_bounds
+from geoscale_fx.numerics import head_weights, logit_bounds
 from geoscale_fx.core import bounds
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.distributed import per_layer_reduced, reduce_max
-from geoscale_fx.estimators import Estimator, make_estimator
+from geoscale_fx.numerics.distributed import per_layer_reduced, reduce_max
+from geoscale_fx.numerics.estimators import Estimator, make_estimator
 from geoscale_fx.core.fp8 import overflowed
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.state import StateSpec

@@ -1,4 +1,4 @@
-"""geoscale_fx.qkv_attention: the FP8 q/k/v attention emulation and its descale helpers.
+"""geoscale_fx.kernels.qkv_attention: the FP8 q/k/v attention emulation and its descale helpers.
 
 The emulation is checked against a float64 recomputation written here from the module
 docstring's semantics, on q/k/v rounded by ``fp8.quantize_dequantize`` (the end-to-end and
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from geoscale_fx.core.fp8 import quantize_dequantize
-from geoscale_fx.qkv_attention import (
+from geoscale_fx.kernels.qkv_attention import (
     P_OFFSET, emulated_fp8_attention, fa3_available, group_descale, operand_scaled_max,
 )
 

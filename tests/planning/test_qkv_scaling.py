@@ -1,4 +1,4 @@
-"""geoscale_fx.qkv_scaling: the fp8_qkv descales, checked against hand computation.
+"""geoscale_fx.planning.qkv_scaling: the fp8_qkv descales, checked against hand computation.
 
 ``Read.bound`` for an FP8 cache read (R_cache·|s|·(1 + 2ε)) and an observed read (the exact
 amax); ``OperandScaling``'s descales against ``B / (η·R_max)`` from ``amax.site_amax_bounds``
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoscale_fx.amax import site_amax_bounds
+from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.capture import find_attention
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.qkv_scaling import OperandScaling, Read
+from geoscale_fx.planning.qkv_scaling import OperandScaling, Read
 from tests.hf_models import build_hf
 
 

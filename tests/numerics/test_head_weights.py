@@ -1,4 +1,4 @@
-"""geoscale_fx.head_weights: per-head weights against explicit slicing of W, on hand-built
+"""geoscale_fx.numerics.head_weights: per-head weights against explicit slicing of W, on hand-built
 sites (no tracing)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from geoscale_fx import head_weights
+from geoscale_fx.numerics import head_weights
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.terms import Side, Source, Term
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoscale_fx.amax import site_amax_bounds
+from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.capture import capture_graphs
 from geoscale_fx.passes.analyze import analyze_graph
 from tests import analysis_checks as checks

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.plan import GraphContext, SitePlan, Skip, burn_in_variant, plan_site
-from geoscale_fx.scaling import CurrentScaling, DelayedScaling, GeometryScaling, NoScaling
+from geoscale_fx.planning.plan import GraphContext, SitePlan, Skip, burn_in_variant, plan_site
+from geoscale_fx.planning.scaling import CurrentScaling, DelayedScaling, GeometryScaling, NoScaling
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.terms import Rotary, Side, Source, Term
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from geoscale_fx import head_weights
+from geoscale_fx.numerics import head_weights
 from geoscale_fx.core import spectral
 from geoscale_fx.sites.model import AttentionSite, CacheWrite
 from geoscale_fx.sites.terms import Side
@@ -121,7 +121,7 @@ def site_amax_bounds(site: AttentionSite, resolve=None, roles: str = "qkv"
     head (the ``roles`` asked for). ``resolve`` maps the site's node names to tensors
     (default: the site's own resolver, i.e. the current parameters); the math is traceable,
     so the backend evaluates it inside the compiled graph on the weight nodes
-    (``geoscale_fx.qkv_scaling``). A role without a bound raises a ``ValueError`` naming the
+    (``geoscale_fx.planning.qkv_scaling``). A role without a bound raises a ``ValueError`` naming the
     site and the reason (values of a post-norm block read the raw residual stream)."""
     if resolve is None:
         site.require_values()
