@@ -14,8 +14,8 @@ import torch
 from tabulate import tabulate
 
 from bench.timing import median_seconds
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.analysis.capture import capture_graphs
+from geoscale_fx.analysis.analyze import analyze_graph
 
 log = logging.getLogger("bench.analysis")
 

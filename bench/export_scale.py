@@ -202,7 +202,7 @@ _TRACE_ONLY = """
 import sys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.checkpoint_scales import meta_model, traced_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.analysis.analyze import analyze_graph
 model = meta_model(sys.argv[1], CheckpointReader(sys.argv[1]))
 graphs = traced_graphs(model)
 sites = [s for i, g in enumerate(graphs)

@@ -366,7 +366,7 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
     Dynamo graph's sites times the number of times the graph ran (a graph break inside a
     layer makes Dynamo compile the layer's frame once and run that graph for every layer:
     one site, several calls)."""
-    from geoscale_fx.passes.analyze import analyze_graph
+    from geoscale_fx.analysis.analyze import analyze_graph
     from geoscale_fx.planning.plan import runnable
 
     graphs: list[list] = []

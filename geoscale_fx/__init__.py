@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "bounds": ("geoscale_fx.core.bounds", None),
     "spectral": ("geoscale_fx.core.spectral", None),
-    "find_attention": ("geoscale_fx.capture", "find_attention"),
+    "find_attention": ("geoscale_fx.analysis.capture", "find_attention"),
     "backend": ("geoscale_fx.dynamo_backend", "backend"),
     "GeoscaleBackend": ("geoscale_fx.dynamo_backend", "GeoscaleBackend"),
     "GeoscaleOptions": ("geoscale_fx.options.config", "GeoscaleOptions"),

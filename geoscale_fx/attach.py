@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.dynamo_backend import GeoscaleBackend
-from geoscale_fx.dynamo_code import fresh_function, release_codes
+from geoscale_fx.analysis.dynamo_code import fresh_function, release_codes
 from geoscale_fx.sites.state import STATE_ATTR, GeoscaleState
 
 __all__ = ["STATE_ATTR", "GeoscaleCall", "CompiledRegion", "RECOMPILE_LIMIT", "attach_state", "detach_state",

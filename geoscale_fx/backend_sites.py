@@ -1,7 +1,7 @@
 """What the backend reads off a captured graph about its sites: records, owners, context.
 
 Which model a site belongs to is decided by the parameter tensors it reads (``site_owners``,
-held weakly in a ``SiteRecord``); its name in the model by identity (``passes.module_names``).
+held weakly in a ``SiteRecord``); its name in the model by identity (``analysis.fx.module_names``).
 ``graph_context`` gives the plan the graph-wide facts it needs (device, training, symbolic
 shapes, N = the heads of every site, over every tensor-parallel rank: ``global_heads``).
 """
@@ -14,7 +14,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
-from geoscale_fx.passes.graph_ops import example_value, upstream
+from geoscale_fx.analysis.fx.graph_ops import example_value, upstream
 from geoscale_fx.planning.plan import GraphContext, SitePlan
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.state import SiteState

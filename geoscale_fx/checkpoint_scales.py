@@ -21,7 +21,7 @@ never loaded:
    The trace uses the model's cache with its writes marked
    (``kv_cache_map.traced_with_writes``), as the in-memory route does, so the cache
    layers — what each stores, which attention reads it — are found as there
-   (``passes.cache_writes``, ``kv_cache_map.cache_layers``).
+   (``analysis.forms.cache_writes``, ``kv_cache_map.cache_layers``).
 3. **Read what each bound reads.** Per cache layer, the graph nodes its bounds read (the
    reading attention's query side and the stored tensors' sides: projection weights,
    biases, input-norm and QK-norm gains) are followed back to the graph's parameter
@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.numerics.amax import cache_write_bounds, site_amax_bounds
-from geoscale_fx.capture import CapturedGraph, capture_graphs
+from geoscale_fx.analysis.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.testing.hf_configs import causal_lm_class, token_inputs
@@ -67,10 +67,10 @@ from geoscale_fx.kv_cache_map import (
 )
 from geoscale_fx.kv_refusals import LayerRefusal, remedy, with_remedy
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.passes.cache_writes import sites_and_cache_writes
-from geoscale_fx.passes.dtensor import to_local
-from geoscale_fx.passes.evaluate import ParamEvaluator
-from geoscale_fx.passes.graph_ops import ValueKinds, upstream
+from geoscale_fx.analysis.forms.cache_writes import sites_and_cache_writes
+from geoscale_fx.analysis.fx.dtensor import to_local
+from geoscale_fx.analysis.evaluate import ParamEvaluator
+from geoscale_fx.analysis.fx.graph_ops import ValueKinds, upstream
 from geoscale_fx.sites.model import AttentionSite, CacheWrite
 from geoscale_fx.weightless import ConstantProducts, weightless
 

@@ -28,10 +28,10 @@ from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners)
 from geoscale_fx import graph_cache
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.analysis.analyze import analyze_graph
 from geoscale_fx.passes.aten_trace import aten_graph
-from geoscale_fx.passes.checkpoint_inline import inline_activation_checkpoints
-from geoscale_fx.passes.module_names import attach_model, frame_root, graph_names
+from geoscale_fx.analysis.fx.activation_checkpoint import inline_activation_checkpoints
+from geoscale_fx.analysis.fx.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.planning.plan import (
     SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
@@ -119,7 +119,7 @@ class GeoscaleBackend:
         self.forget_freed()
         model = self.model if self.model is not None else frame_root(gm)
         gm = inline_activation_checkpoints(gm)   # attention inside checkpointed regions
-        attach_model(gm, model)      # sites are named in it (``passes.module_names``)
+        attach_model(gm, model)      # sites are named in it (``analysis.fx.module_names``)
         # the records' sites read the parameters weakly (site_logit_bound(record.site)
         # works while the model lives, and keeps nothing alive)
         sites = [runnable(s) for s in

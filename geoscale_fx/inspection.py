@@ -41,7 +41,7 @@ from tabulate import tabulate
 from geoscale_fx.numerics import head_weights, logit_bounds
 from geoscale_fx.testing import hf_configs
 from geoscale_fx.core import spectral
-from geoscale_fx.capture import find_attention
+from geoscale_fx.analysis.capture import find_attention
 from geoscale_fx.testing.hf_configs import token_inputs
 from geoscale_fx.planning.plan import runnable
 from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite

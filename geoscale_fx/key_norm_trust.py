@@ -1,6 +1,6 @@
 """The host side of incremental cached keys: which cache tensors a running maximum covers.
 
-A site whose keys come from a cache that is only moved (``passes.cached_keys``) measures only
+A site whose keys come from a cache that is only moved (``analysis.forms.cached_keys``) measures only
 this call's new keys in the graph and keeps ``key_norm_max``, the running per-key-head
 maximum of everything written before. That maximum covers a cache tensor only if every entry
 of the tensor went through the graph. After each call of a compiled graph, the runtime keeps
@@ -40,8 +40,8 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx.numerics.head_weights import key_head_norms
-from geoscale_fx.passes.cached_keys import whole_vector_slices
-from geoscale_fx.passes.graph_ops import op_of
+from geoscale_fx.analysis.forms.cached_keys import whole_vector_slices
+from geoscale_fx.analysis.fx.graph_ops import op_of
 from geoscale_fx.sites.terms import Side
 from geoscale_fx.version_record import VersionRecord
 

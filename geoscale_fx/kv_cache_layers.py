@@ -15,7 +15,7 @@
   layers, each with the scales of its ``LayerScales``; ``cache_nbytes`` — what a cache holds.
 
 * ``marked_cache_writes()`` — while it is active, ``Cache.update(keys, values, layer)`` first
-  calls ``passes.cache_writes.cache_write(keys, values, layer)``, so a traced forward holds
+  calls ``analysis.forms.cache_writes.cache_write(keys, values, layer)``, so a traced forward holds
   each write as a graph node whose arguments are the tensors the cache stores (the analysis
   of what a layer caches reads them); ``cache_layer_classes`` — the layer classes of the
   cache a config builds (which layers can hold keys and values at all).
@@ -40,7 +40,7 @@ from geoscale_fx.core import nvfp4
 from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.core.fp8 import NVFP4, fp8_dtype, saturating_cast
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.passes.cache_writes import cache_write
+from geoscale_fx.analysis.forms.cache_writes import cache_write
 
 __all__ = ["FP8Layer", "NVFP4Layer", "fp8_cache", "cache_nbytes", "marked_cache_writes",
            "cache_layer_classes"]
@@ -204,7 +204,7 @@ def cache_layer_classes(config: Any) -> Optional[list[str]]:
 def marked_cache_writes():
     """While active, every ``Cache.update(keys, values, layer_idx)`` first calls
     ``cache_write(keys, values, layer_idx)``: a forward traced inside holds its cache
-    writes as graph nodes (``passes.cache_writes``). Whatever cache the model uses — one it
+    writes as graph nodes (``analysis.forms.cache_writes``). Whatever cache the model uses — one it
     builds itself included — is marked; nothing else changes. Without transformers,
     nothing is marked."""
     try:

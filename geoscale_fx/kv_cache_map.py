@@ -3,7 +3,7 @@
 A cache layer's scales must bound what the layer stores, and only the forward knows what
 that is. The model is traced with its cache in use and its writes marked
 (``traced_with_writes``: ``kv_cache_layers.marked_cache_writes`` marks ``Cache.update``);
-each write (``passes.cache_writes``: its layer index, the sides of the stored keys and
+each write (``analysis.forms.cache_writes``: its layer index, the sides of the stored keys and
 values, the attention reading them) is one ``CacheLayer`` here:
 
 * ``layer`` is the index the model wrote (``update``'s ``layer_idx``): a hybrid's

@@ -30,10 +30,10 @@ from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.key_norm_trust import KeyNormTrust
-from geoscale_fx.passes.dtensor import to_local
-from geoscale_fx.passes.evaluate import ParamEvaluator
-from geoscale_fx.passes.graph_ops import ValueKinds, parameter_name, upstream
-from geoscale_fx.passes.module_names import graph_tensor_names
+from geoscale_fx.analysis.fx.dtensor import to_local
+from geoscale_fx.analysis.evaluate import ParamEvaluator
+from geoscale_fx.analysis.fx.graph_ops import ValueKinds, parameter_name, upstream
+from geoscale_fx.analysis.fx.module_names import graph_tensor_names
 from geoscale_fx.planning.plan import SitePlan
 from geoscale_fx.planning.scaling import NonFiniteWeights
 from geoscale_fx.sites.state import SiteState
@@ -91,7 +91,7 @@ class GraphRuntime:
         self.gm, self.plans, self.states = gm, plans, states
         self.kinds = ValueKinds(gm.graph, example_inputs)
         self.by_name = {n.name: n for n in gm.graph.nodes}
-        #: the model's name of a tensor, by identity (``passes.module_names``)
+        #: the model's name of a tensor, by identity (``analysis.fx.module_names``)
         self.name_of = graph_tensor_names(gm)
         self.variants = {name: _Lazy(build) for name, build in variants.items()}
         self._main = "reuse" if "reuse" in self.variants else "predict"

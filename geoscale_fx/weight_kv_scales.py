@@ -2,7 +2,7 @@
 
 The model is traced once with its cache in use and its cache writes marked
 (``kv_cache_map.traced_with_writes``); the attention sites
-(``analyze_graph``) and what each write stores (``passes.cache_writes``) give the cache
+(``analyze_graph``) and what each write stores (``analysis.forms.cache_writes``) give the cache
 layers (``kv_cache_map.cache_layers``): per layer index the model writes, the bounds on
 ``max |entry|`` of what it stores (``amax.cache_write_bounds``: the attention's keys and
 values, or an MLA layer's latent) and of the reading attention's queries
@@ -29,15 +29,15 @@ import torch
 from torch import nn
 
 from geoscale_fx.numerics import amax
-from geoscale_fx.capture import CapturedGraph, capture_graphs
+from geoscale_fx.analysis.capture import CapturedGraph, capture_graphs
 from geoscale_fx.kv_cache_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
 )
 from geoscale_fx.kv_refusals import LayerRefusal, with_remedy
 from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.passes.cache_writes import sites_and_cache_writes
-from geoscale_fx.passes.dtensor import to_local
-from geoscale_fx.passes.graph_ops import upstream
+from geoscale_fx.analysis.forms.cache_writes import sites_and_cache_writes
+from geoscale_fx.analysis.fx.dtensor import to_local
+from geoscale_fx.analysis.fx.graph_ops import upstream
 from geoscale_fx.planning.scaling import NonFiniteWeights
 from geoscale_fx.sites.model import CacheWrite
 

@@ -19,15 +19,15 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Interpreter, Node
 
 import geoscale_fx
-from geoscale_fx.capture import capture_graphs
+from geoscale_fx.analysis.capture import capture_graphs
 from geoscale_fx.numerics.head_weights import site_head_weights, site_term_weights
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
-from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.evaluate import ParamEvaluator
-from geoscale_fx.passes.graph_ops import ValueKinds, arg, matmul_operands, op_of
-from geoscale_fx.passes.provenance import (NormalizedInput, find_projection,
+from geoscale_fx.analysis.analyze import analyze_graph
+from geoscale_fx.analysis.evaluate import ParamEvaluator
+from geoscale_fx.analysis.fx.graph_ops import ValueKinds, arg, matmul_operands, op_of
+from geoscale_fx.analysis.sides.provenance import (NormalizedInput, find_projection,
                                            trace_normalized_input, trace_operand)
-from geoscale_fx.passes.replay_records import ReplayRecords
+from geoscale_fx.analysis.index.replay_records import ReplayRecords
 
 
 def model_output(out) -> torch.Tensor:
@@ -75,7 +75,7 @@ def analysed_site(model, *args, **kwargs):
 @dataclass
 class Captured:
     """One captured graph whose outputs are attention operands, and the provenance passes
-    (``passes.provenance``) run on them as the analysis runs them, for a query."""
+    (``analysis.sides.provenance``) run on them as the analysis runs them, for a query."""
     gm: GraphModule
     inputs: list
     kinds: ValueKinds

@@ -18,8 +18,8 @@ import geoscale_fx
 from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners,
                                        symbolic_shapes, upstream_placeholders)
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.analysis.capture import capture_graphs
+from geoscale_fx.analysis.analyze import analyze_graph
 
 B, L, D, H = 2, 5, 16, 2
 DH = D // H

@@ -1,6 +1,6 @@
 """Incremental cached keys (issue 19): O(new tokens) per decode step, the bound still certified.
 
-``passes.cached_keys`` splits a decode step's keys into past cache tensors and this call's new
+``analysis.forms.cached_keys`` splits a decode step's keys into past cache tensors and this call's new
 keys; the graph measures only the new ones and keeps a running maximum, which
 ``key_norm_trust`` trusts only for caches the graph wrote itself. Checked here against an
 independent recomputation of ``max_j ‖k_g,j‖`` over the whole cache (torch.linalg on the
@@ -23,8 +23,8 @@ from torch.fx import Graph, GraphModule
 
 import geoscale_fx
 from geoscale_fx.numerics.head_weights import key_head_norms
-from geoscale_fx.passes.cached_keys import key_sources
-from geoscale_fx.passes.graph_ops import ValueKinds
+from geoscale_fx.analysis.forms.cached_keys import key_sources
+from geoscale_fx.analysis.fx.graph_ops import ValueKinds
 from tests.hf_models import build_hf
 from tests.test_decode import _runtimes
 

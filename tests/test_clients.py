@@ -84,7 +84,7 @@ def test_grpo_with_the_fp8_cache_runs_every_call_through_geoscale(saved_llama, t
     path, tok = saved_llama
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     # the rewritten graphs run eagerly: checkpointed regions under the AOT trace have their
-    # own tests (tests/passes/test_checkpoint_inline.py)
+    # own tests (tests/analysis/fx/test_activation_checkpoint.py)
     geoscale_fx.apply_(model, kv_cache="fp8", compiler="eager")
     with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
         _grpo(model, tok, tmp_path / "grpo", steps=2, gradient_checkpointing=True)

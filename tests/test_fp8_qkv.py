@@ -23,11 +23,11 @@ import geoscale_fx
 from geoscale_fx.core import bounds
 from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.core.bounds import round_up_f32
-from geoscale_fx.capture import capture_graphs, find_attention
+from geoscale_fx.analysis.capture import capture_graphs, find_attention
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache_manager import KVCacheManager
-from geoscale_fx.passes.analyze import analyze_graph
-from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read
+from geoscale_fx.analysis.analyze import analyze_graph
+from geoscale_fx.analysis.forms.fp8_cache_reads import fp8_cache_read
 from geoscale_fx.planning.plan import GraphContext, plan_site
 from geoscale_fx.kernels.qkv_attention import (
     P_OFFSET, emulated_fp8_attention, fa3_available, fa3_fp8_attention,

@@ -3,7 +3,7 @@
 The model is a real family's: OLMo-hybrid (transformers' ``olmo_hybrid``, shrunk config) with
 ``layer_types = [full, linear, full]``. OLMo normalizes after the projections, so its
 attentions' inputs are bounded only by value (the residual stream from the embeddings,
-``passes/value_bound.py``): layer 0's is (the embeddings alone), layer 2's is not (the
+``analysis/norms/parameter_bound.py``): layer 0's is (the embeddings alone), layer 2's is not (the
 residual after the linear-attention layer reaches an op no weight bounds). Cache layer 1 is
 a ``LinearAttentionLayer`` (no keys or values). So cache layer 0 must be exported under its
 own index, layer 1 named as holding none, layer 2 refused — left out of the file, listed

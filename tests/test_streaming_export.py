@@ -249,10 +249,10 @@ def test_arguments_of_the_other_route_are_refused(tmp_path):
 def test_unbounded_attention_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
     """OLMo2 normalizes after the projections: its values read the residual stream, which is
     bounded only by value (the embedding table plus every block's output norm,
-    ``passes/value_bound.py``). Without that bound the values the cache stores have none (as
+    ``analysis/norms/parameter_bound.py``). Without that bound the values the cache stores have none (as
     in memory), and the refusal, naming the cache layer, comes from the trace alone."""
-    import geoscale_fx.passes.bounded_operand as bounded_operand
-    import geoscale_fx.passes.operand_sides as operand_sides
+    import geoscale_fx.analysis.norms.bounded_operand as bounded_operand
+    import geoscale_fx.analysis.sides.operand_sides as operand_sides
 
     for module in (operand_sides, bounded_operand):
         monkeypatch.setattr(module, "trace_value_bound", lambda *args, **kwargs: None)

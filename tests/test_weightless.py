@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.capture import capture_graphs
+from geoscale_fx.analysis.capture import capture_graphs
 from geoscale_fx.weightless import ConstantProducts, repeated_value, weightless
 
 aten = torch.ops.aten

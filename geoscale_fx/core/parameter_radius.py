@@ -3,7 +3,7 @@
 When no normalization precedes a projection (a first layer reading token and position
 embeddings, an embedding projection after the embedding LayerNorm, a 0/1 padding mask after the
 norm), ``‖x‖`` is still bounded by the *values* of the parameters and buffers it is computed
-from. ``passes.value_bound`` writes that computation as a small expression over graph node
+from. ``analysis.norms.parameter_bound`` writes that computation as a small expression over graph node
 names; :func:`evaluate_radius` evaluates it from the current values (a float64 0-dim tensor,
 detached: pure and traceable, the in-graph programs and the host refresh call it with their
 resolver). Each form and its bound, ``r(e)`` the bound of a sub-expression::

@@ -1,7 +1,7 @@
 """Scale-out: what geoscale communicates under tensor parallelism, and nothing else.
 
 Under tensor parallelism each rank holds some query heads of every attention
-(``passes.dtensor.HeadShard``) and bounds them from its local weight shards:
+(``analysis.fx.dtensor.HeadShard``) and bounds them from its local weight shards:
 
 * per-head scales (``granularity="head"``, the default) need **no communication**: head h's
   bound reads only head h's columns of W_q, W_k, which live on the rank that computes h;

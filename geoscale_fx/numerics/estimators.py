@@ -204,7 +204,7 @@ class ExactObservedKeys(ExactNormProduct):
     the query side's exact spectral norms. The query factor is kept (``query_factor``, per
     query head), so a step with unchanged weights costs the key norms only.
 
-    Incremental keys (``Side.incremental``: the cache is only moved, ``passes.cached_keys``):
+    Incremental keys (``Side.incremental``: the cache is only moved, ``analysis.forms.cached_keys``):
     only this call's new keys are measured, and ``key_norm_max`` (per key head) carries the
     maximum over everything written before — O(new tokens) per step. The runtime trusts it
     only for cache tensors the graph wrote itself, and re-measures any other cache on the
@@ -302,7 +302,7 @@ class PowerObservedKeys(ExactObservedKeys):
 
 
 class MeasuredOperands(ExactObservedKeys):
-    """Both sides observed (``passes.measured_sites``: the weights cannot bound q or k):
+    """Both sides observed (``analysis.forms.measured_sites``: the weights cannot bound q or k):
     ``s·max_i‖q_h,i‖·max_j‖k_g(h),j‖``, both norms measured in the graph at every call
     (``head_weights.observed_heads``). Nothing depends on the weights alone: no host refresh,
     no cold start, and ``reuse`` measures again: no query factor is kept."""

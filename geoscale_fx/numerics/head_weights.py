@@ -1,6 +1,6 @@
 """Canonical per-head weights of an attention site's terms: ``(A, c)`` per head and side.
 
-The analysis (``geoscale_fx.passes``) describes each side of a term as a ``Side``: which
+The analysis (``geoscale_fx.analysis``) describes each side of a term as a ``Side``: which
 weight columns form each head, which per-channel gains and offsets follow the normalization,
 which bias is added. The functions here turn that description plus the current parameter
 tensors into ``(A, c)`` with ``q_h = A_hᵀ x̂ + c_h`` (``A: (n, d, d_h)``, ``c: (n, d_h)``),

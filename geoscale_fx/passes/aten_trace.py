@@ -14,7 +14,7 @@ A training graph is traced with ``pre_dispatch=True``: above autograd, so what A
 differentiates afterwards is the same autograd-level computation (``detach``, grad-mode
 changes as ``torch._C._set_grad_enabled`` nodes), and the joint graph, its partition and
 the backward are those of the untraced graph. An inference graph is traced below autograd
-(no gradient to keep). Graphs with checkpointed regions (``passes.checkpoint_inline``: nodes
+(no gradient to keep). Graphs with checkpointed regions (``analysis.fx.activation_checkpoint``: nodes
 tagged for recomputation, which the trace would drop) and graphs with symbolic shapes are
 returned unchanged: the trace
 records ``view``s whose legality depends on strides. Tensor-subclass inputs (DTensor) and

@@ -4,7 +4,7 @@ For an SDPA site the call is replaced by ``program(q, k, v, attn_mask, *weights,
 (fused flex_attention or explicit attention, ``geoscale_fx.kernels.logit_attention``; with
 ``lowering="fp8_qkv"`` attention on FP8 q, k, v, ``geoscale_fx.kernels.qkv_attention``; where k and v
 are read from a KV cache, the program also takes the FP8 cache's scale nodes the operands
-are dequantized with, ``passes.fp8_cache_reads``). For a model's own
+are dequantized with, ``analysis.forms.fp8_cache_reads``). For a model's own
 explicit attention the softmax's input (the ``logits`` role: the scores ``q @ kᵀ``, or a
 softcap's output) is routed through ``program(logits, *weights, *state)``, which quantizes it
 in place of the original and leaves the model's mask, softmax and ``· V`` as they were.
@@ -26,10 +26,10 @@ from geoscale_fx.planning import scaling
 from geoscale_fx.kernels.logit_attention import explicit_attention, fused_attention
 from geoscale_fx.numerics.distributed import per_layer_reduced, reduce_max
 from geoscale_fx.core.fp8 import fake_quantize_logits
-from geoscale_fx.passes.checkpoint_inline import RECOMPUTE_TAGS
-from geoscale_fx.passes.dtensor import dtensor_of
-from geoscale_fx.passes.fp8_cache_reads import fp8_cache_read
-from geoscale_fx.passes.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
+from geoscale_fx.analysis.fx.activation_checkpoint import RECOMPUTE_TAGS
+from geoscale_fx.analysis.fx.dtensor import dtensor_of
+from geoscale_fx.analysis.forms.fp8_cache_reads import fp8_cache_read
+from geoscale_fx.analysis.fx.graph_ops import arg, baddbmm_args, scalar_constant, static_bool
 from geoscale_fx.planning.plan import SitePlan
 from geoscale_fx.kernels.qkv_attention import emulated_fp8_attention, fa3_fp8_attention
 from geoscale_fx.planning.qkv_scaling import Read
@@ -245,7 +245,7 @@ def _replace_sdpa(graph, by_name, plan: SitePlan, names, weights, nodes) -> None
 
 def _local_weights(graph, weights: list[Node]) -> list[Node]:
     """Tensor parallel: the program reads the rank's local shard of a DTensor weight (the
-    site's features index it; ``passes.dtensor``), never the global DTensor."""
+    site's features index it; ``analysis.fx.dtensor``), never the global DTensor."""
     body = next(n for n in graph.nodes if n.op != "placeholder")
     local = []
     for node in weights:

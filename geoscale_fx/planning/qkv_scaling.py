@@ -17,7 +17,7 @@ A site that reads a KV cache (a decode step, or any step of a model with an FP8 
 keys and values that are not this call's projections: q keeps its weight bound, and k and v
 (``reads``, found by the rewrite) take, per kv head,
 
-* ``"fp8"`` — operands dequantized from an FP8 cache (``passes.fp8_cache_reads``): every
+* ``"fp8"`` — operands dequantized from an FP8 cache (``analysis.forms.fp8_cache_reads``): every
   entry is ``bits · s_g`` with ``|bits| ≤ R_cache``, so ``B_g = R_cache · |s_g| · (1 + 2ε)``
   (ε: the operand dtype's epsilon, the rounding of the product and its cast) and
   ``δ_g = B_g / R_max`` — η = 1, since B is the storage's own range, not an estimate: with

@@ -23,7 +23,7 @@ The parts a site is built from (``Rotary``, ``Source``, ``Side``, ``Term``, ``Mo
 ``HeadWeights``) live in ``geoscale_fx.sites.terms``.
 
 What a forward stores in its KV cache is described the same way, per write
-(``CacheWrite``, found by ``passes.cache_writes``): the stored keys and values are sides too,
+(``CacheWrite``, found by ``analysis.forms.cache_writes``): the stored keys and values are sides too,
 bounded by ``amax.cache_write_bounds``.
 """
 from __future__ import annotations
@@ -78,12 +78,12 @@ class AttentionSite:
     #: be traced (``value_reason`` says why)
     value: Optional[Side] = None
     value_reason: str = ""
-    #: tensor parallel: the query heads this rank holds (``passes.dtensor.HeadShard``); the
+    #: tensor parallel: the query heads this rank holds (``analysis.fx.dtensor.HeadShard``); the
     #: features above index the local weight shards
     shard: Optional[object] = None
     #: "weights": the bound is computed from the parameters (the method); "measured": the
     #: weights cannot bound q or k (``unbounded_reason`` says why), so both are bounded by
-    #: their norms measured in the graph at every call (``passes.measured_sites``)
+    #: their norms measured in the graph at every call (``analysis.forms.measured_sites``)
     bound_by: str = "weights"
     unbounded_reason: str = ""
     #: a site the weights cannot bound (``supported=False``): the same site bounded by its

@@ -132,7 +132,7 @@ class Side:
     #: the keys every step; ``features[g] == (g,)`` names key head g
     observed_axes: tuple[int, int] = ()
     #: observed keys moved from earlier cache tensors (``observed_past``: placeholders) and
-    #: this call's keys (``observed_fresh``), per ``passes.cached_keys``: only the fresh ones
+    #: this call's keys (``observed_fresh``), per ``analysis.forms.cached_keys``: only the fresh ones
     #: are measured each step; the past ones are covered by a running maximum (``() ()``:
     #: the whole key is measured every step)
     #: Both are ``(node name, r)``: key head ``h`` holds that node's head ``h // r``.
@@ -236,7 +236,7 @@ class Modifier:
     value: float = float("nan")      # softcap: c; position_bias: β
     param: Optional[str] = None      # sink: the node holding the sink logits (parameters)
     #: a sink computed from the activations: a projection of a bounded source, one width-1
-    #: head per output feature, ``|sink_f| ≤ ρ‖A_f‖ + |c_f|`` (``passes.sink_bound``)
+    #: head per output feature, ``|sink_f| ≤ ρ‖A_f‖ + |c_f|`` (``analysis.sides.sink_bound``)
     side: Optional[Side] = None
 
 

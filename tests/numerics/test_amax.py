@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from geoscale_fx.numerics.amax import site_amax_bounds
-from geoscale_fx.capture import capture_graphs
-from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.analysis.capture import capture_graphs
+from geoscale_fx.analysis.analyze import analyze_graph
 from tests import analysis_checks as checks
-from tests.passes.test_modern_attention import _build
+from tests.analysis.test_modern_attention import _build
 
 pytestmark = pytest.mark.zoo
 
@@ -33,7 +33,7 @@ def _operands(gm, site):
     if site.kind == "sdpa":
         v = node.args[2]
     else:
-        from geoscale_fx.passes.graph_ops import matmul_operands
+        from geoscale_fx.analysis.fx.graph_ops import matmul_operands
         pv = next(n for n in gm.graph.nodes if n.name == site.node_name("pv"))
         v = matmul_operands(pv)[1]
     return {"q": (q, False), "k": (k, k_transposed), "v": (v, False)}

@@ -10,10 +10,10 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from geoscale_fx.core.bounds import FP8_MAX
-from geoscale_fx.capture import capture_graphs
+from geoscale_fx.analysis.capture import capture_graphs
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
-from geoscale_fx.passes.analyze import analyze_graph
+from geoscale_fx.analysis.analyze import analyze_graph
 from geoscale_fx.passes.rewrite import make_program, rewrite, sdpa_call_options
 from geoscale_fx.planning.plan import GraphContext, SitePlan, plan_site
 from geoscale_fx.sites.state import GeoscaleState, site_key

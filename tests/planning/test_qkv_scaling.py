@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geoscale_fx.numerics.amax import site_amax_bounds
-from geoscale_fx.capture import find_attention
+from geoscale_fx.analysis.capture import find_attention
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.planning.qkv_scaling import OperandScaling, Read
 from tests.hf_models import build_hf
