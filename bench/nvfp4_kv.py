@@ -37,9 +37,9 @@ from tabulate import tabulate
 
 from bench.quality import logit_metrics
 from geoscale_fx.core import nvfp4
-from geoscale_fx.kv_cache_layers import fp8_cache
-from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.layers import fp8_cache
+from geoscale_fx.kv_cache.layer_scales import LayerScales
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
 log = logging.getLogger("geoscale_fx.bench")
 

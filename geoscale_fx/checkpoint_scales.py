@@ -62,11 +62,11 @@ from geoscale_fx.analysis.capture import CapturedGraph, capture_graphs
 from geoscale_fx.checkpoint_keys import CheckpointKeys
 from geoscale_fx.checkpoint_reader import CheckpointReader
 from geoscale_fx.testing.hf_configs import causal_lm_class, token_inputs
-from geoscale_fx.kv_cache_map import (
+from geoscale_fx.kv_cache.layer_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
 )
-from geoscale_fx.kv_refusals import LayerRefusal, remedy, with_remedy
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.refusals import LayerRefusal, remedy, with_remedy
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.analysis.forms.cache_writes import sites_and_cache_writes
 from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.evaluate import ParamEvaluator

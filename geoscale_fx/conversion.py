@@ -39,7 +39,7 @@ from geoscale_fx.attach import (
     route_forward, unroute_forward,
 )
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.kv_cache_manager import KVCacheManager
+from geoscale_fx.kv_cache.manager import KVCacheManager
 from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
 from geoscale_fx.sites.state import GeoscaleState

@@ -36,7 +36,7 @@ from geoscale_fx.passes.rewrite import rewrite
 from geoscale_fx.planning.plan import (
     SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
 )
-from geoscale_fx.runtime import GraphRuntime, finalize_calibration
+from geoscale_fx.runtime.graph_runtime import GraphRuntime, finalize_calibration
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.state import GeoscaleState, SiteState, site_key
 

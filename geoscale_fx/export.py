@@ -3,7 +3,7 @@
 Serving engines (vLLM, SGLang) read static FP8 KV-cache scales from a checkpoint whose
 ``config.json`` carries a compressed-tensors ``quantization_config`` with a
 ``kv_cache_scheme``. ``export_kv_scales`` writes the certified bounds of
-``geoscale_fx.weight_kv_scales.WeightKVScales`` in that form:
+``geoscale_fx.kv_cache.weight_scales.WeightKVScales`` in that form:
 
 * per layer, on the attention module (its module path, e.g. ``model.layers.0.self_attn``):
   ``<path>.k_scale``, ``<path>.v_scale`` and ``<path>.q_scale``, float32;
@@ -12,7 +12,7 @@ Serving engines (vLLM, SGLang) read static FP8 KV-cache scales from a checkpoint
   ``(n_q, 1, 1)`` for q, ``s_h = B_h / R_max``;
 
 with ``B_h`` the bound on ``max |entry|`` of stored head ``h`` of what the layer's cache holds
-(float64, from the weights alone; ``geoscale_fx.kv_cache_map``) and ``R_max = 448`` (E4M3).
+(float64, from the weights alone; ``geoscale_fx.kv_cache.layer_map``) and ``R_max = 448`` (E4M3).
 
 What a layer's cache holds decides the bound and the layout:
 
@@ -99,10 +99,10 @@ from torch import nn
 
 from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
 from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
-from geoscale_fx.kv_cache_layers import cache_layer_classes
-from geoscale_fx.kv_refusals import LayerRefusal
-from geoscale_fx.layer_scales import LayerScales, scale_from_bound
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.layers import cache_layer_classes
+from geoscale_fx.kv_cache.refusals import LayerRefusal
+from geoscale_fx.kv_cache.layer_scales import LayerScales, scale_from_bound
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
 __all__ = ["KV_STRATEGIES", "KVExportOptions", "KVScaleExport", "export_kv_scales",
            "kv_cache_scheme", "quantization_config", "scale_tensors"]

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.export import KVExportOptions, scale_tensors
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 from geoscale_fx.wrapper import GeoscaleModule
 
 __all__ = ["attention_scales"]

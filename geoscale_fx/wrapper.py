@@ -21,7 +21,7 @@ from geoscale_fx.attach import (
     STATE_ATTR, GeoscaleCall, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.kv_cache_manager import KVCacheManager
+from geoscale_fx.kv_cache.manager import KVCacheManager
 from geoscale_fx.reporting import report
 from geoscale_fx.sites.state import GeoscaleState
 
@@ -127,7 +127,7 @@ def wrap(model: nn.Module, **options) -> GeoscaleModule:
 
     ``kv_cache="fp8"`` (an option like the others; or ``"fp8_e4m3"``, ``"fp8_e5m2"``):
     ``generate`` keeps keys and values in an FP8 cache whose per-kv-head scales are predicted
-    from the weights (``geoscale_fx.kv_cache_manager``), dynamic or static
+    from the weights (``geoscale_fx.kv_cache.manager``), dynamic or static
     (``cache_implementation="static"``). ``kv_cache="nvfp4"``: emulated NVFP4 (``nvfp4.py``).
 
     The wrapper form: a new module around ``model``. ``geoscale_fx.apply_(model)`` converts

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from geoscale_fx import weight_kv_scales
+from geoscale_fx.kv_cache import weight_scales as weight_kv_scales
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def traces(monkeypatch):
     """How many times a model was traced for its KV-cache scales (``capture_graphs`` calls
-    made by ``geoscale_fx.weight_kv_scales``)."""
+    made by ``geoscale_fx.kv_cache.weight_scales``)."""
     calls = []
     original = weight_kv_scales.capture_graphs
 

@@ -9,8 +9,8 @@ import torch
 
 import geoscale_fx
 from geoscale_fx.core.fp8 import kv_format
-from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.layers import cache_nbytes, fp8_cache
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 
 HF_MODELS = {
     "gpt2-sdpa": dict(kind="sdpa", name="transformer.h.{}.attn", heads=(4, 4, 16, 64),

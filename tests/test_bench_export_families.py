@@ -43,7 +43,7 @@ def test_the_exports_report_goes_into_the_notes():
     attentions reusing a layer's cache, with that layer."""
     from types import SimpleNamespace
 
-    from geoscale_fx.kv_refusals import LayerRefusal
+    from geoscale_fx.kv_cache.refusals import LayerRefusal
 
     export = SimpleNamespace(not_cached={2: "LinearAttentionLayer: written by no attention",
                                          0: "DummyLayer: written by no attention"},

@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 import geoscale_fx
 from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
-from geoscale_fx.runtime import GraphRuntime
+from geoscale_fx.runtime.graph_runtime import GraphRuntime
 from models_zoo.nanogpt import GPT, GPTConfig
 from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.hf_models import build_hf

@@ -25,7 +25,7 @@ from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.core.bounds import round_up_f32
 from geoscale_fx.analysis.capture import capture_graphs, find_attention
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.kv_cache_manager import KVCacheManager
+from geoscale_fx.kv_cache.manager import KVCacheManager
 from geoscale_fx.analysis.analyze import analyze_graph
 from geoscale_fx.analysis.forms.fp8_cache_reads import fp8_cache_read
 from geoscale_fx.planning.plan import GraphContext, plan_site

@@ -13,7 +13,7 @@ import torch
 
 import geoscale_fx
 from geoscale_fx.core.bounds import fp8_max
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 from tests.analysis_checks import scale_up_gains_and_biases
 from tests.hf_models import (NEW_TOKENS, build_hf, cache_bytes, kv_cache_runs, plain_cache,
                              prompt)

@@ -26,10 +26,10 @@ LAYER_NAMES = ("math", "plain data", "numerics", "policies and planning", "analy
 #: ``test_package_inits_import_nothing_of_the_package``), by layer, bottom-up.
 LAYERS = {
     # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
-    "core.bounds": MATH, "core.fp8": MATH, "core.nvfp4": MATH, "core.spectral": MATH, "core.parameter_radius": MATH, "version_record": MATH, "testing.paper_models": MATH,
+    "core.bounds": MATH, "core.fp8": MATH, "core.nvfp4": MATH, "core.spectral": MATH, "core.parameter_radius": MATH, "runtime.version_record": MATH, "testing.paper_models": MATH,
     # plain data: the site the analysis returns, the options, the state containers
     "sites.terms": DATA, "sites.model": DATA, "options.recipes": DATA, "options.rules": DATA,
-    "options.config": DATA, "sites.state": DATA, "layer_scales": DATA, "kv_refusals": DATA,
+    "options.config": DATA, "sites.state": DATA, "kv_cache.layer_scales": DATA, "kv_cache.refusals": DATA,
     # per-term numerics on a site, and the attention kernels the rewritten graph calls
     "numerics.head_weights": NUMERICS, "numerics.relative_rope_bound": NUMERICS, "numerics.logit_bounds": NUMERICS,
     "numerics.amax": NUMERICS, "numerics.estimators": NUMERICS,
@@ -53,9 +53,9 @@ LAYERS = {
     "analysis.sides.traced_operands": ANALYSIS, "analysis.forms.opaque_attention": ANALYSIS,
     "analysis.forms.cache_writes": ANALYSIS,
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
-    "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "graph_cache": RUNTIME, "runtime": RUNTIME, "key_norm_trust": RUNTIME,
-    "weight_kv_scales": RUNTIME, "kv_cache_layers": RUNTIME, "kv_cache_manager": RUNTIME,
-    "kv_cache_map": RUNTIME,
+    "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "graph_cache": RUNTIME, "runtime.graph_runtime": RUNTIME, "runtime.key_norm_trust": RUNTIME,
+    "kv_cache.weight_scales": RUNTIME, "kv_cache.layers": RUNTIME, "kv_cache.manager": RUNTIME,
+    "kv_cache.layer_map": RUNTIME,
     # the backend, and the registry of live backends that the report reads
     "dynamo_backend": BACKEND, "backend_sites": BACKEND, "backend_registry": BACKEND,
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)

@@ -1,7 +1,7 @@
 """Scenario 12: an FP8 KV cache, with k/v scales from four sources (issue 12).
 
 Per pretrained causal LM: a prompt of real text, then greedy decoding with a Hugging Face
-``DynamicCache`` whose layers store E4M3 (``geoscale_fx.kv_cache_layers``), the scales from
+``DynamicCache`` whose layers store E4M3 (``geoscale_fx.kv_cache.layers``), the scales from
 
 * (a) geometry — the certified per-kv-head bounds from the weights (``WeightKVScales``);
 * (b) unit — the engines' default ``k_scale = v_scale = 1.0``;
@@ -50,11 +50,11 @@ from bench.runner import Context, ScenarioResult
 from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.core.fp8 import quantize_dequantize
 from geoscale_fx.testing.hf_configs import tiny_model
-from geoscale_fx.kv_cache_layers import cache_nbytes, fp8_cache
-from geoscale_fx.kv_cache_manager import KVCacheManager
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.layers import cache_nbytes, fp8_cache
+from geoscale_fx.kv_cache.manager import KVCacheManager
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.kernels.qkv_attention import emulated_fp8_attention
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
 __all__ = ["fp8_kv_cache", "METHODS", "SEEDS", "QKV_FAMILIES", "fp8_qkv_decode_errors",
            "fp8_qkv_decode_rows"]

@@ -37,7 +37,7 @@ from bench.runner import Context, ScenarioResult
 from bench.scenarios.kv_cache import FMT, _cache, _layer_scales, _teacher_forced
 from geoscale_fx.attach import geoscale_call
 from geoscale_fx.core.bounds import fp8_max
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 
 __all__ = ["rl_rollouts", "SOURCES", "mismatch", "engine_layer_scales"]
 

@@ -208,7 +208,7 @@ class ExactObservedKeys(ExactNormProduct):
     only this call's new keys are measured, and ``key_norm_max`` (per key head) carries the
     maximum over everything written before — O(new tokens) per step. The runtime trusts it
     only for cache tensors the graph wrote itself, and re-measures any other cache on the
-    host first (``geoscale_fx.key_norm_trust``)."""
+    host first (``geoscale_fx.runtime.key_norm_trust``)."""
 
     #: the running per-key-head maximum of the cached keys' norms (incremental keys)
     RUNNING = "key_norm_max"

@@ -11,7 +11,7 @@ decomposition on the graph:
 with every op on the way moving whole key vectors (GQA's ``repeat_kv`` repeats whole heads) (the channel axis and the head axis are
 never mixed), so ``max_j ‖k_g,j‖ ≤ max(max over past, max over fresh)`` per key head g. The
 past part is a running maximum kept in the site's state (``key_norm_max``) and trusted only
-for cache tensors this graph wrote (``geoscale_fx.key_norm_trust``); the fresh part is
+for cache tensors this graph wrote (``geoscale_fx.runtime.key_norm_trust``); the fresh part is
 measured in the graph, O(new tokens).
 
 Recognized, on a 4-D ``(batch, heads, positions, d_h)`` key: ``cat`` along batch or

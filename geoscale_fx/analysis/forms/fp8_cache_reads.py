@@ -1,6 +1,6 @@
 """Keys and values an attention reads from an FP8 KV cache: their storage scale, from the graph.
 
-An FP8 KV cache (``geoscale_fx.kv_cache_layers``, or any cache of the same form) hands the
+An FP8 KV cache (``geoscale_fx.kv_cache.layers``, or any cache of the same form) hands the
 attention its entries dequantized::
 
     k = cast( bits.view(float8) · cast · s.view(1, H, 1, 1) )      then whole-vector slices

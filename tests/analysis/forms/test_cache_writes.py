@@ -18,7 +18,7 @@ from torch import nn
 
 from geoscale_fx.numerics.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.analysis.capture import capture_graphs
-from geoscale_fx.kv_cache_layers import marked_cache_writes
+from geoscale_fx.kv_cache.layers import marked_cache_writes
 from geoscale_fx.analysis.analyze import analyze_graph
 from geoscale_fx.analysis.forms.cache_writes import cache_writes, is_cache_write
 

@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
-from geoscale_fx.key_norm_trust import KeyNormTrust
+from geoscale_fx.runtime.key_norm_trust import KeyNormTrust
 from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.evaluate import ParamEvaluator
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds, parameter_name, upstream
@@ -37,7 +37,7 @@ from geoscale_fx.analysis.fx.module_names import graph_tensor_names
 from geoscale_fx.planning.plan import SitePlan
 from geoscale_fx.planning.scaling import NonFiniteWeights
 from geoscale_fx.sites.state import SiteState
-from geoscale_fx.version_record import VersionRecord
+from geoscale_fx.runtime.version_record import VersionRecord
 
 __all__ = ["GraphRuntime", "finalize_calibration", "check_finite"]
 

@@ -39,7 +39,7 @@ import torch
 from geoscale_fx.core import nvfp4
 from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.core.fp8 import NVFP4, fp8_dtype, saturating_cast
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.analysis.forms.cache_writes import cache_write
 
 __all__ = ["FP8Layer", "NVFP4Layer", "fp8_cache", "cache_nbytes", "marked_cache_writes",

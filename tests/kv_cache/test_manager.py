@@ -1,4 +1,4 @@
-"""Unit tests for ``geoscale_fx.kv_cache_manager``: one FP8 cache per ``generate`` call.
+"""Unit tests for ``geoscale_fx.kv_cache.manager``: one FP8 cache per ``generate`` call.
 
 No generation here (``tests/test_kv_cache.py`` generates end to end): the manager's caches are
 checked against the bounds it traced (every stored scale covers its head's bound at R_max),
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.kv_cache_layers import FP8Layer, NVFP4Layer
-from geoscale_fx.kv_cache_manager import KVCacheManager, cache_argument
+from geoscale_fx.kv_cache.layers import FP8Layer, NVFP4Layer
+from geoscale_fx.kv_cache.manager import KVCacheManager, cache_argument
 from tests.hf_models import build_hf
 
 
@@ -57,7 +57,7 @@ def test_a_hybrids_cache_stores_fp8_only_in_its_attention_layer():
 
 def test_rows_of_an_attention_writing_two_layers_take_the_max_and_the_sum():
     """A shared block called at two layers: one row, the larger scale, saturations summed."""
-    from geoscale_fx.layer_scales import LayerScales
+    from geoscale_fx.kv_cache.layer_scales import LayerScales
 
     manager = KVCacheManager(build_hf("llama-sdpa"), "fp8")
     b = lambda *v: torch.tensor(v, dtype=torch.float64)                    # noqa: E731

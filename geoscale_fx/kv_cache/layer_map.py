@@ -53,9 +53,9 @@ from typing import Callable, Sequence, TypeVar, Union
 import torch
 from torch import nn
 
-from geoscale_fx.kv_cache_layers import marked_cache_writes
-from geoscale_fx.kv_refusals import LayerRefusal, with_remedy
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.layers import marked_cache_writes
+from geoscale_fx.kv_cache.refusals import LayerRefusal, with_remedy
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.sites.model import AttentionSite, CacheWrite
 
 __all__ = ["CacheLayer", "CachePlan", "traced_with_writes", "cache_layers",

@@ -1,4 +1,4 @@
-"""``geoscale_fx.version_record``: a record holds exactly while every tensor is the recorded
+"""``geoscale_fx.runtime.version_record``: a record holds exactly while every tensor is the recorded
 object with the recorded version counter and storage; anything else — an in-place write, a
 new object, a swapped storage, a tensor without a version counter — breaks it."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from geoscale_fx.version_record import VersionRecord, tensor_version
+from geoscale_fx.runtime.version_record import VersionRecord, tensor_version
 
 
 def _recorded(*tensors) -> VersionRecord:

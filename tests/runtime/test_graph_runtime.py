@@ -1,4 +1,4 @@
-"""``geoscale_fx.runtime``: what runs on the host around a compiled graph.
+"""``geoscale_fx.runtime.graph_runtime``: what runs on the host around a compiled graph.
 
 Inference graphs are compiled once (the ``reuse`` variant: the weights' part of the bound is
 read from the state) and the runtime refreshes that part on the host whenever the weights
@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx.runtime import GraphRuntime, NonFiniteWeights
+from geoscale_fx.runtime.graph_runtime import GraphRuntime, NonFiniteWeights
 from models_zoo.nanogpt import GPT, GPTConfig
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for ``geoscale_fx.weight_kv_scales``: per-layer q/k/v bounds from the weights.
+"""Unit tests for ``geoscale_fx.kv_cache.weight_scales``: per-layer q/k/v bounds from the weights.
 
 Checked against independent references: the keys and values an eager forward pass puts in a
 plain cache never exceed the bounds; a k projection scaled in place by 8 (exact in float32)
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.planning.scaling import NonFiniteWeights
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 from tests.hf_models import build_hf
 
 

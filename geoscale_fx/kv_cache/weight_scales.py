@@ -13,7 +13,7 @@ whenever one changed in place or moved to a new storage; a parameter replaced by
 tensor is found by name and the graphs are analysed again on it (never a second forward
 pass). Parameters with inf/nan are refused by name before any bound is computed.
 
-Used by the FP8 KV cache of ``generate`` (``geoscale_fx.kv_cache_manager``), by
+Used by the FP8 KV cache of ``generate`` (``geoscale_fx.kv_cache.manager``), by
 ``export_kv_scales`` and by ``attention_scales``::
 
     scales = WeightKVScales(model).capture(input_ids)    # one trace
@@ -30,11 +30,11 @@ from torch import nn
 
 from geoscale_fx.numerics import amax
 from geoscale_fx.analysis.capture import CapturedGraph, capture_graphs
-from geoscale_fx.kv_cache_map import (
+from geoscale_fx.kv_cache.layer_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
 )
-from geoscale_fx.kv_refusals import LayerRefusal, with_remedy
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.refusals import LayerRefusal, with_remedy
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.analysis.forms.cache_writes import sites_and_cache_writes
 from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.fx.graph_ops import upstream

@@ -43,7 +43,7 @@ from geoscale_fx.numerics.head_weights import key_head_norms
 from geoscale_fx.analysis.forms.cached_keys import whole_vector_slices
 from geoscale_fx.analysis.fx.graph_ops import op_of
 from geoscale_fx.sites.terms import Side
-from geoscale_fx.version_record import VersionRecord
+from geoscale_fx.runtime.version_record import VersionRecord
 
 __all__ = ["KeyNormTrust"]
 

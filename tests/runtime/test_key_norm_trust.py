@@ -1,4 +1,4 @@
-"""geoscale_fx.key_norm_trust: when the running key-norm maximum covers a cache tensor, and
+"""geoscale_fx.runtime.key_norm_trust: when the running key-norm maximum covers a cache tensor, and
 the re-measurement (``key_head_norms``) when it does not. A hand-built graph
 ``key = cat([past, new], 2)`` and the observed-keys estimator; no compile."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from torch.fx import Graph, GraphModule
 
 from geoscale_fx.numerics.estimators import ExactObservedKeys, ExactSigma
 from geoscale_fx.numerics.head_weights import key_head_norms
-from geoscale_fx.key_norm_trust import KeyNormTrust
+from geoscale_fx.runtime.key_norm_trust import KeyNormTrust
 from geoscale_fx.sites.terms import Side, Source, Term
-from geoscale_fx.version_record import VersionRecord
+from geoscale_fx.runtime.version_record import VersionRecord
 
 AXES = (1, 3)
 

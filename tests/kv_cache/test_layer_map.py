@@ -1,4 +1,4 @@
-"""``geoscale_fx.kv_cache_map``: cache writes grouped into cache layers, on plain data.
+"""``geoscale_fx.kv_cache.layer_map``: cache writes grouped into cache layers, on plain data.
 
 Sites and writes are built by hand (``AttentionSite``/``CacheWrite`` are plain data); the
 bounds are given tensors, so every combination is checked against an explicit maximum.
@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.kv_cache_map import (
+from geoscale_fx.kv_cache.layer_map import (
     cache_layers, layer_scales, plan_cache_layers, traced_with_writes,
 )
-from geoscale_fx.kv_refusals import LayerRefusal
+from geoscale_fx.kv_cache.refusals import LayerRefusal
 from geoscale_fx.sites.model import AttentionSite, CacheWrite
 from geoscale_fx.sites.terms import Side, Source
 

@@ -1,4 +1,4 @@
-"""Unit tests for ``geoscale_fx.kv_cache_layers``: Hugging Face cache layers storing FP8/NVFP4.
+"""Unit tests for ``geoscale_fx.kv_cache.layers``: Hugging Face cache layers storing FP8/NVFP4.
 
 Built from a config alone (no model). Checked against independent references: the stored bits
 are a float64 re-implementation of round-to-nearest-even on the E4M3 grid of ``x / s_h``
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from geoscale_fx.core import nvfp4
-from geoscale_fx.kv_cache_layers import FP8Layer, NVFP4Layer, cache_nbytes, fp8_cache
-from geoscale_fx.layer_scales import LayerScales
+from geoscale_fx.kv_cache.layers import FP8Layer, NVFP4Layer, cache_nbytes, fp8_cache
+from geoscale_fx.kv_cache.layer_scales import LayerScales
 
 transformers = pytest.importorskip("transformers")
 

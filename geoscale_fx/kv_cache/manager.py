@@ -4,12 +4,12 @@ with per-kv-head scales from the weights.
 Serving engines keep keys and values in FP8 with ``k_scale``/``v_scale`` taken from
 calibration data, the first batch, or a default of 1.0. Here the scale of each stored head is
 the certified bound on ``max |entry|`` of what the model stores in that cache layer — its
-attention's keys (values), or an MLA layer's latent — (``geoscale_fx.weight_kv_scales``, from
+attention's keys (values), or an MLA layer's latent — (``geoscale_fx.kv_cache.weight_scales``, from
 the current weights alone) divided by R_max
-(``geoscale_fx.layer_scales``): no cached entry can saturate, whatever the input, and the
+(``geoscale_fx.kv_cache.layer_scales``): no cached entry can saturate, whatever the input, and the
 scales are right on the first token after every weight update — never from observed
 activations or calibration data. ``kv_cache="nvfp4"`` stores NVFP4 instead, with global
-scales bound / (6 · 448) (``geoscale_fx.kv_cache_layers``).
+scales bound / (6 · 448) (``geoscale_fx.kv_cache.layers``).
 
 ``KVCacheManager`` builds one cache (``kv_cache_layers.fp8_cache``) per ``generate`` and keeps
 the saturation counts for ``report()``. A cache keeps the scales it was created with (entries
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from geoscale_fx.core.fp8 import kv_format
-from geoscale_fx.kv_cache_layers import fp8_cache
-from geoscale_fx.layer_scales import LayerScales
-from geoscale_fx.weight_kv_scales import WeightKVScales
+from geoscale_fx.kv_cache.layers import fp8_cache
+from geoscale_fx.kv_cache.layer_scales import LayerScales
+from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
 __all__ = ["KVCacheManager", "cache_argument"]
 

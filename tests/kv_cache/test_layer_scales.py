@@ -1,4 +1,4 @@
-"""Unit tests for ``geoscale_fx.layer_scales``: k/v scales rounded up from certified bounds.
+"""Unit tests for ``geoscale_fx.kv_cache.layer_scales``: k/v scales rounded up from certified bounds.
 
 The reference is the contract itself, checked with float32 neighbours (``torch.nextafter``):
 the scale is ``≥ bound / R_max`` and its float32 predecessor is not; an entry at the bound
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoscale_fx.layer_scales import LayerScales, scale_from_bound
+from geoscale_fx.kv_cache.layer_scales import LayerScales, scale_from_bound
 
 R_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 TINY = torch.finfo(torch.float32).tiny

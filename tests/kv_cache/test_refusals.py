@@ -1,4 +1,4 @@
-"""``geoscale_fx.kv_refusals``: each refusal form gets its remedy, an unknown form the
+"""``geoscale_fx.kv_cache.refusals``: each refusal form gets its remedy, an unknown form the
 generic line.
 
 The reasons are those the export gave over transformers' families
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from geoscale_fx.kv_refusals import GENERIC_REMEDY, REMEDIES, LayerRefusal, remedy, with_remedy
+from geoscale_fx.kv_cache.refusals import GENERIC_REMEDY, REMEDIES, LayerRefusal, remedy, with_remedy
 
 #: a family's refusal as said -> the first words of its remedy
 SAID = {
