@@ -35,7 +35,7 @@ from tabulate import tabulate
 
 import geoscale_fx
 from bench.profile_step import _config
-from geoscale_fx.backend_registry import BACKENDS
+from geoscale_fx.compile.backend_registry import BACKENDS
 from geoscale_fx.runtime.graph_runtime import GraphRuntime
 
 __all__ = ["main", "run", "decode_runtime", "replay_us", "steps_us"]

@@ -109,7 +109,7 @@ def run_program(program: str, steps: int, gradient_checkpointing: bool, compiler
     import trl
 
     import geoscale_fx
-    from geoscale_fx.attach import geoscale_call
+    from geoscale_fx.compile.attach import geoscale_call
 
     torch._dynamo.reset()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)

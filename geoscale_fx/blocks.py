@@ -23,9 +23,9 @@ from typing import Iterable
 
 from torch import nn
 
-from geoscale_fx.attach import attach_state
+from geoscale_fx.compile.attach import attach_state
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.dynamo_backend import GeoscaleBackend
+from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 
 __all__ = ["compile_blocks"]
 

@@ -34,7 +34,7 @@ from dataclasses import fields
 import torch._dynamo
 from torch import nn
 
-from geoscale_fx.attach import (
+from geoscale_fx.compile.attach import (
     GeoscaleCall, compile_with_geoscale, detach_state, enable_hf_auto_compile, geoscale_call,
     route_forward, unroute_forward,
 )

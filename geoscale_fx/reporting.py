@@ -27,10 +27,10 @@ from tabulate import tabulate
 from torch import nn
 
 from geoscale_fx.core import bounds
-from geoscale_fx.attach import geoscale_call
-from geoscale_fx.backend_registry import BACKENDS
-from geoscale_fx.backend_sites import SiteRecord
-from geoscale_fx.dynamo_backend import GeoscaleBackend
+from geoscale_fx.compile.attach import geoscale_call
+from geoscale_fx.compile.backend_registry import BACKENDS
+from geoscale_fx.compile.backend_sites import SiteRecord
+from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 from geoscale_fx.sites.model import is_certified
 
 __all__ = ["Report", "report", "site_records"]

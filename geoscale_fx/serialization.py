@@ -28,7 +28,7 @@ import types
 import torch
 from torch import nn
 
-from geoscale_fx.attach import STATE_ATTR, attach_state
+from geoscale_fx.compile.attach import STATE_ATTR, attach_state
 from geoscale_fx.sites.state import GeoscaleState
 
 __all__ = ["STATE_FILE", "save_state", "load_state", "install_save_pretrained",

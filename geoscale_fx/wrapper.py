@@ -17,7 +17,7 @@ import logging
 
 from torch import nn
 
-from geoscale_fx.attach import (
+from geoscale_fx.compile.attach import (
     STATE_ATTR, GeoscaleCall, compile_with_geoscale, geoscale_call,
 )
 from geoscale_fx.options.config import GeoscaleOptions

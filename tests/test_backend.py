@@ -466,7 +466,7 @@ def test_inductor_end_to_end_fused_inference():
 # --------------------------------------------------------------------------------------
 
 def test_geoscale_is_a_registered_torch_compile_backend():
-    from geoscale_fx.dynamo_backend import geoscale_backend
+    from geoscale_fx.compile.dynamo_backend import geoscale_backend
 
     assert "geoscale" in torch._dynamo.list_backends()
     assert torch._dynamo.lookup_backend("geoscale") is geoscale_backend

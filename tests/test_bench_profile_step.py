@@ -49,7 +49,7 @@ def test_the_breakdown_splits_the_kernels_share_from_geoscales():
 def test_no_fp8_compiles_without_the_round_trip_and_without_the_graph_cache():
     import torch
 
-    from geoscale_fx import graph_cache
+    from geoscale_fx.compile import graph_cache
     from geoscale_fx.kernels import logit_attention as attention
     from geoscale_fx.core import fp8
 

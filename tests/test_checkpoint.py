@@ -14,7 +14,7 @@ if not dist.is_available():
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from geoscale_fx.attach import attach_state  # noqa: E402
+from geoscale_fx.compile.attach import attach_state  # noqa: E402
 from geoscale_fx.checkpoint import load_scaling_state  # noqa: E402
 from geoscale_fx.sites.state import StateSpec  # noqa: E402
 

@@ -53,13 +53,13 @@ LAYERS = {
     "analysis.sides.traced_operands": ANALYSIS, "analysis.forms.opaque_attention": ANALYSIS,
     "analysis.forms.cache_writes": ANALYSIS,
     # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
-    "passes.rewrite": RUNTIME, "passes.aten_trace": RUNTIME, "graph_cache": RUNTIME, "runtime.graph_runtime": RUNTIME, "runtime.key_norm_trust": RUNTIME,
+    "compile.rewrite": RUNTIME, "compile.aten_trace": RUNTIME, "compile.graph_cache": RUNTIME, "runtime.graph_runtime": RUNTIME, "runtime.key_norm_trust": RUNTIME,
     "kv_cache.weight_scales": RUNTIME, "kv_cache.layers": RUNTIME, "kv_cache.manager": RUNTIME,
     "kv_cache.layer_map": RUNTIME,
     # the backend, and the registry of live backends that the report reads
-    "dynamo_backend": BACKEND, "backend_sites": BACKEND, "backend_registry": BACKEND,
+    "compile.dynamo_backend": BACKEND, "compile.backend_sites": BACKEND, "compile.backend_registry": BACKEND,
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)
-    "attach": ATTACH,
+    "compile.attach": ATTACH,
     # the report reads the backend's records; entry points expose it (GeoscaleModule.report)
     "reporting": REPORT,
     # entry points, and the readers only they use
@@ -88,14 +88,14 @@ REPOSITORY_TOOLS = {"models_zoo", "bench"}
 
 @dataclass(frozen=True)
 class Import:
-    module: str        # importing module, relative to the package ("passes.rewrite")
+    module: str        # importing module, relative to the package ("compile.rewrite")
     target: str        # imported module, absolute ("geoscale_fx.numerics.logit_bounds", "torch.fx")
     line: int
     top: bool          # a statement of the module body itself
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
-    """``{"passes.rewrite": (path, is_package)}``; the package itself is ``""``."""
+    """``{"compile.rewrite": (path, is_package)}``; the package itself is ``""``."""
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = list(path.relative_to(PACKAGE).with_suffix("").parts)

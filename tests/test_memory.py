@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.attach import geoscale_call
+from geoscale_fx.compile.attach import geoscale_call
 
 transformers = pytest.importorskip("transformers")
 

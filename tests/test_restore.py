@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx.attach import STATE_ATTR, _mark_cold_without_state
+from geoscale_fx.compile.attach import STATE_ATTR, _mark_cold_without_state
 from tests.hf_models import build_hf
 
 pytestmark = pytest.mark.zoo

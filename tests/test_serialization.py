@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from geoscale_fx.attach import attach_state
+from geoscale_fx.compile.attach import attach_state
 from geoscale_fx.serialization import STATE_FILE, install_save_pretrained, load_state, save_state
 from geoscale_fx.sites.state import StateSpec
 

@@ -35,7 +35,7 @@ import geoscale_fx
 from bench.quality import spread
 from bench.runner import Context, ScenarioResult
 from bench.scenarios.kv_cache import FMT, _cache, _layer_scales, _teacher_forced
-from geoscale_fx.attach import geoscale_call
+from geoscale_fx.compile.attach import geoscale_call
 from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.kv_cache.layer_scales import LayerScales
 

@@ -146,7 +146,7 @@ def scale_factor(bound: TensorLike, eta: float = 0.8, fmt: str = "e4m3") -> torc
 
     Edge cases: a zero bound gives a tiny positive scale (the logits are then exactly zero,
     so no value is lost); non-finite bounds propagate unchanged — callers check weights for
-    non-finite values before they reach this point (see ``geoscale_fx.dynamo_backend``).
+    non-finite values before they reach this point (see ``geoscale_fx.compile.dynamo_backend``).
     """
     if not 0.0 < eta <= 1.0:
         raise ValueError(f"eta must be in (0, 1], got {eta!r}")

@@ -63,7 +63,7 @@ def _checks(rank: int, world: int, out: str, checks: tuple) -> None:
     process (Dynamo reset, counters cleared, patched compilers and the environment put
     back); ``out`` gets ``NAME.RANK.passed`` or ``NAME.RANK.failed`` (the traceback). A
     failure ends the process group: the checks after it have no file."""
-    import geoscale_fx.dynamo_backend as backend_module
+    import geoscale_fx.compile.dynamo_backend as backend_module
 
     compiler, environ = backend_module.aot_eager, dict(os.environ)
     for name, args in checks:
@@ -290,7 +290,7 @@ def test_tensor_parallel_trains_like_one_process(two_ranks):
 def _tp_per_layer_placements_collectives(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    import geoscale_fx.dynamo_backend as backend_module   # compiles a graph with its aot_eager
+    import geoscale_fx.compile.dynamo_backend as backend_module   # compiles a graph with its aot_eager
 
     mesh = init_device_mesh("cpu", (world,))
     x = _tokens(2)
@@ -451,7 +451,7 @@ def _fsdp2(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import geoscale_fx.dynamo_backend as backend_module   # compiles a graph with its aot_eager
+    import geoscale_fx.compile.dynamo_backend as backend_module   # compiles a graph with its aot_eager
 
     mesh = init_device_mesh("cpu", (world,))
     collectives: list[int] = []

@@ -14,7 +14,7 @@ from geoscale_fx.analysis.capture import capture_graphs
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from geoscale_fx.analysis.analyze import analyze_graph
-from geoscale_fx.passes.rewrite import make_program, rewrite, sdpa_call_options
+from geoscale_fx.compile.rewrite import make_program, rewrite, sdpa_call_options
 from geoscale_fx.planning.plan import GraphContext, SitePlan, plan_site
 from geoscale_fx.sites.state import GeoscaleState, site_key
 
@@ -212,7 +212,7 @@ def test_rewrite_counters_count_each_site_once(sdpa_graph, explicit_graph, graph
                                               options, lowering, n):
     """counters['geoscale']['rewrite_<lowering>'] grows by the number of sites per compiled
     graph, only it — however many variants of the graph are compiled (predictive, reuse)."""
-    from geoscale_fx.dynamo_backend import GeoscaleBackend
+    from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 
     graph = {"sdpa": sdpa_graph, "explicit": explicit_graph}[graph_name]
     backend = GeoscaleBackend(GeoscaleOptions.from_kwargs(compiler="aot_eager", **options))
@@ -228,7 +228,7 @@ def test_rewrite_counters_count_each_site_once(sdpa_graph, explicit_graph, graph
 
 def test_mask_modifier_is_counted(sdpa_graph):
     """Sites with a mask count their modifier next to the rewrite."""
-    from geoscale_fx.dynamo_backend import GeoscaleBackend
+    from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 
     sites = analyze_graph(sdpa_graph.gm, sdpa_graph.example_inputs)
     counters.clear()
@@ -316,7 +316,7 @@ def test_per_scale_amax_is_the_max_abs_logit_of_each_scale(shape, n_scale):
     """One value per scale, against loops over the slices; a NaN stays in its own scale."""
     from types import SimpleNamespace
 
-    from geoscale_fx.passes.rewrite import _per_scale_amax
+    from geoscale_fx.compile.rewrite import _per_scale_amax
     torch.manual_seed(0)
     logits = torch.randn(shape) * 10
     plan = SimpleNamespace(n_scale=n_scale)
@@ -333,7 +333,7 @@ def test_per_scale_amax_is_one_reduction():
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from geoscale_fx.passes.rewrite import _per_scale_amax
+    from geoscale_fx.compile.rewrite import _per_scale_amax
     plan = SimpleNamespace(n_scale=4)
     gm = make_fx(lambda s: _per_scale_amax(plan, s))(torch.randn(2, 4, 1, 9))
     reductions = [n for n in gm.graph.nodes if n.target is torch.ops.aten.amax.default]

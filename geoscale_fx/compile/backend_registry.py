@@ -16,7 +16,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from geoscale_fx.dynamo_backend import GeoscaleBackend
+    from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 
 __all__ = ["BackendRegistry", "BACKENDS"]
 

@@ -81,7 +81,7 @@ def test_a_full_compiled_region_is_renewed_never_run_eagerly(caplog, monkeypatch
     """Guards that keep changing (a new string per call) fill the call's region: past
     geoscale's limit it is dropped and compiled afresh, so no call runs without FP8 and
     the region never holds more than the limit; the renewal is said once."""
-    monkeypatch.setattr(geoscale_fx.attach, "RECOMPILE_LIMIT", 3)
+    monkeypatch.setattr(geoscale_fx.compile.attach, "RECOMPILE_LIMIT", 3)
     wrapped = geoscale_fx.wrap(_Flagged(), compiler="aot_eager")
     region = wrapped._geoscale_call.region
     x = torch.randn(2, 5, 16)

@@ -1,4 +1,4 @@
-"""``passes.aten_trace``: rewritten graphs reach AOTAutograd as ATen operators, so its cache
+"""``compile.aten_trace``: rewritten graphs reach AOTAutograd as ATen operators, so its cache
 keys them (it used to refuse them: "Unsupported call_function target geoscale_…"), and the
 traced graph computes what the untraced one does — for a training graph its gradients and
 the scaling state's updates too."""
@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import geoscale_fx
-from geoscale_fx.passes.aten_trace import aten_graph
+from geoscale_fx.compile.aten_trace import aten_graph
 from models_zoo.nanogpt import GPT, GPTConfig
 
 
@@ -120,7 +120,7 @@ def _unfit(x):
 def test_a_trace_that_does_not_compile_falls_back_to_the_rewritten_graph(monkeypatch):
     """The trace only saves compile time: if its graph fails to compile, the rewritten
     graph is compiled as it is (same outputs), and the fallback is counted."""
-    from geoscale_fx import dynamo_backend
+    from geoscale_fx.compile import dynamo_backend
 
     def broken(gm, inputs, training=False):
         graph = torch.fx.Graph()

@@ -1,6 +1,6 @@
 """A rewritten graph as ATen operators, so that Inductor's caches can key it.
 
-The rewrite calls each site's program (``passes.rewrite.make_program``), a Python function
+The rewrite calls each site's program (``compile.rewrite.make_program``), a Python function
 made for that site. AOTAutograd's cache refuses a graph whose ``call_function`` targets it
 cannot name ("Unsupported call_function target geoscale_…"), so every compile of a
 rewritten graph used to trace it again, run the joint-graph passes and look Inductor's

@@ -17,9 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import geoscale_fx
-from geoscale_fx import dynamo_backend, graph_cache
-from geoscale_fx.backend_registry import BACKENDS
-from geoscale_fx.graph_cache import describe, graph_key
+from geoscale_fx.compile import dynamo_backend, graph_cache
+from geoscale_fx.compile.backend_registry import BACKENDS
+from geoscale_fx.compile.graph_cache import describe, graph_key
 from models_zoo.nanogpt import GPT, GPTConfig
 
 

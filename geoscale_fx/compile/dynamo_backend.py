@@ -23,16 +23,16 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule
 from torch.utils.weak import WeakIdKeyDictionary
 
-from geoscale_fx.backend_registry import BACKENDS
-from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
+from geoscale_fx.compile.backend_registry import BACKENDS
+from geoscale_fx.compile.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners)
-from geoscale_fx import graph_cache
+from geoscale_fx.compile import graph_cache
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.analysis.analyze import analyze_graph
-from geoscale_fx.passes.aten_trace import aten_graph
+from geoscale_fx.compile.aten_trace import aten_graph
 from geoscale_fx.analysis.fx.activation_checkpoint import inline_activation_checkpoints
 from geoscale_fx.analysis.fx.module_names import attach_model, frame_root, graph_names
-from geoscale_fx.passes.rewrite import rewrite
+from geoscale_fx.compile.rewrite import rewrite
 from geoscale_fx.planning.plan import (
     SitePlan, Skip, burn_in_variant, plan_site, reuse_variant, runnable,
 )
@@ -297,7 +297,7 @@ class GeoscaleBackend:
     def _compile_rewritten(self, gm: GraphModule, plans: list[SitePlan], names, inputs: list,
                            fused: bool, training: bool):
         """``gm`` with ``plans`` rewritten, compiled; under Inductor through its ATen trace
-        (``passes.aten_trace``, above autograd for ``training``) so that AOTAutograd's cache
+        (``compile.aten_trace``, above autograd for ``training``) so that AOTAutograd's cache
         can key it, the trace itself kept in geoscale's cache (``graph_cache``)."""
         rewritten = rewrite(gm, plans, names)
         if self.options.compiler != "inductor":

@@ -1,10 +1,10 @@
-"""geoscale_fx.backend_registry: a weak set of live backends (what ``report`` reads)."""
+"""geoscale_fx.compile.backend_registry: a weak set of live backends (what ``report`` reads)."""
 from __future__ import annotations
 
 import gc
 
-from geoscale_fx.backend_registry import BACKENDS, BackendRegistry
-from geoscale_fx.dynamo_backend import GeoscaleBackend
+from geoscale_fx.compile.backend_registry import BACKENDS, BackendRegistry
+from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 
 
 class _Backend:

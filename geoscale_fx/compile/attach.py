@@ -34,7 +34,7 @@ from torch._dynamo.eval_frame import _get_cache_entries_for_region
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.options.config import GeoscaleOptions
-from geoscale_fx.dynamo_backend import GeoscaleBackend
+from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 from geoscale_fx.analysis.dynamo_code import fresh_function, release_codes
 from geoscale_fx.sites.state import STATE_ATTR, GeoscaleState
 

@@ -1,4 +1,4 @@
-"""geoscale_fx.attach: the state submodule and its load hook, ``GeoscaleCall``'s warnings,
+"""geoscale_fx.compile.attach: the state submodule and its load hook, ``GeoscaleCall``'s warnings,
 and Hugging Face's auto-compile switch, on plain modules and stub backends (no compile)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 import torch
 import torch.nn as nn
 
-from geoscale_fx.attach import (
+from geoscale_fx.compile.attach import (
     STATE_ATTR, GeoscaleCall, attach_state, detach_state, disable_hf_auto_compile,
     enable_hf_auto_compile, geoscale_call,
 )

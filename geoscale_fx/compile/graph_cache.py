@@ -1,7 +1,7 @@
 """geoscale's compile cache: the ATen trace of a rewritten graph, kept on disk.
 
 Inductor's FX-graph and AOTAutograd caches key the graph they are handed. geoscale hands them
-the ATen trace of its rewritten graph (``passes.aten_trace``), and that trace — of the whole
+the ATen trace of its rewritten graph (``compile.aten_trace``), and that trace — of the whole
 graph, flex_attention's ``score_mod`` and block mask included — ran on every compile, warm
 or not: about 0.5 s of a small GPT-2 forward's 3 s warm compile. This module keeps the
 trace, keyed by everything it is a function of:
@@ -44,7 +44,7 @@ __all__ = ["describe", "graph_key", "enabled", "load", "store", "source_hash"]
 
 log = logging.getLogger("geoscale_fx")
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent      # the whole geoscale_fx package
 _DEPTH = 24         # nesting a description goes to before it gives up (no cycles in plans)
 _SOURCE_HASH: Optional[str] = None
 
@@ -148,7 +148,7 @@ def _inputs(inputs: Sequence[Any]) -> Optional[str]:
     for x in inputs:
         if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
                 isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride()))):
-            return None   # symbolic shapes are not traced (passes.aten_trace)
+            return None   # symbolic shapes are not traced (compile.aten_trace)
         if isinstance(x, torch.Tensor):
             parts.append(_tensor(x, with_values=False))
         else:

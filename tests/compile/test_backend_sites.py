@@ -1,4 +1,4 @@
-"""``geoscale_fx.backend_sites``: what the backend reads off a captured graph about a site —
+"""``geoscale_fx.compile.backend_sites``: what the backend reads off a captured graph about a site —
 the inputs by placeholder, the parameters a site reads (its owners), a
 parameter's name in its model, the graph-wide context of planning and the site's device —
 on a small attention captured here, checked against the module's own parameters by identity.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import geoscale_fx
-from geoscale_fx.backend_sites import (SiteRecord, global_heads, graph_context,
+from geoscale_fx.compile.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners,
                                        symbolic_shapes, upstream_placeholders)
 from geoscale_fx.analysis.capture import capture_graphs
