@@ -108,7 +108,7 @@ WROTE = ("exported", "partial")
 def _export(target, out: Path, **kwargs):
     """``(outcome, reason, KVScaleExport | None)`` of one ``export_kv_scales`` call:
     ``partial`` with the first left-out layer's refusal when some were left out."""
-    from geoscale_fx.export import export_kv_scales
+    from geoscale_fx.export.kv_scales import export_kv_scales
 
     try:
         export = export_kv_scales(target, out, strategy="head", **kwargs)

@@ -191,7 +191,7 @@ def streamed(ckpt: Path, out: Path, work: Path) -> Run:
 _IN_MEMORY = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.export.kv_scales import export_kv_scales
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 ids = torch.randint(0, model.config.vocab_size, (1, 8),
                     generator=torch.Generator().manual_seed(0))
@@ -200,8 +200,8 @@ export_kv_scales(model, sys.argv[2], input_ids=ids)
 
 _TRACE_ONLY = """
 import sys
-from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx.checkpoint_scales import meta_model, traced_graphs
+from geoscale_fx.export.safetensors_reader import CheckpointReader
+from geoscale_fx.export.streamed_scales import meta_model, traced_graphs
 from geoscale_fx.analysis.analyze import analyze_graph
 model = meta_model(sys.argv[1], CheckpointReader(sys.argv[1]))
 graphs = traced_graphs(model)

@@ -354,7 +354,7 @@ def backend_sites(wrapped) -> list:
     """The sites geoscale's backend found compiling ``wrapped`` (rewritten and left as is), in
     execution order: ``analyze_graph`` on the graphs of that compile, as in ``find_attention``
     (which would trace the model once more: a third of a family's time)."""
-    from geoscale_fx.reporting import site_records
+    from geoscale_fx.api.reporting import site_records
 
     done, skipped = site_records(wrapped)
     return sorted((r.site for r in done + skipped), key=lambda s: (s.graph, s.index))

@@ -9,8 +9,8 @@ import sys
 
 from tabulate import tabulate
 
-from geoscale_fx import inspection
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.api import inspection
+from geoscale_fx.export.kv_scales import export_kv_scales
 from geoscale_fx.testing.paper_models import PAPER_MODELS, calibration_row
 
 __all__ = ["main"]

@@ -13,7 +13,7 @@ import argparse
 import sys
 from functools import partial
 
-from geoscale_fx.inspection import sites_report
+from geoscale_fx.api.inspection import sites_report
 from geoscale_fx.sites.model import ROPE_BOUNDS
 
 from models_zoo.registry import get, names, sizes

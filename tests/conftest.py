@@ -70,7 +70,7 @@ def traces(monkeypatch):
 @pytest.fixture
 def checkpoint_reads(monkeypatch):
     """Every tensor name read from a checkpoint (``CheckpointReader.read``), in order."""
-    from geoscale_fx.checkpoint_reader import CheckpointReader
+    from geoscale_fx.export.safetensors_reader import CheckpointReader
 
     names_read: list[str] = []
     read = CheckpointReader.read

@@ -13,7 +13,7 @@ import torch
 
 import geoscale_fx
 from geoscale_fx.kv_cache import weight_scales as weight_kv_scales
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.export.kv_scales import export_kv_scales
 from tests.analysis_checks import scale_up_gains_and_biases
 from tests.hf_models import build_hf
 

@@ -59,7 +59,7 @@ def test_the_exports_report_goes_into_the_notes():
 
 
 def test_outcomes_refused_only_for_geoscales_own_value_errors():
-    from geoscale_fx.checkpoint_reader import CheckpointReader
+    from geoscale_fx.export.safetensors_reader import CheckpointReader
 
     try:
         CheckpointReader("/nonexistent-directory")

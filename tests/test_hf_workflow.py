@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import geoscale_fx
-from geoscale_fx.serialization import STATE_FILE
+from geoscale_fx.api.serialization import STATE_FILE
 from tests.hf_models import build_hf
 
 transformers = pytest.importorskip("transformers")

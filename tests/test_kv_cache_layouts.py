@@ -34,7 +34,7 @@ import torch
 import geoscale_fx
 from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx.testing import hf_configs
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.export.kv_scales import export_kv_scales
 from geoscale_fx.kv_cache.layers import cache_layer_classes
 
 transformers = pytest.importorskip("transformers")

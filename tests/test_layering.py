@@ -61,14 +61,14 @@ LAYERS = {
     # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)
     "compile.attach": ATTACH,
     # the report reads the backend's records; entry points expose it (GeoscaleModule.report)
-    "reporting": REPORT,
+    "api.reporting": REPORT,
     # entry points, and the readers only they use
-    "wrapper": ENTRY, "conversion": ENTRY, "blocks": ENTRY, "serialization": ENTRY,
-    "checkpoint": ENTRY, "calibration": ENTRY, "serving_scales": ENTRY, "export": ENTRY,
-    "checkpoint_scales": ENTRY, "checkpoint_reader": ENTRY, "checkpoint_keys": ENTRY,
-    "weightless": ENTRY, "testing.hf_configs": ENTRY,
+    "api.wrapper": ENTRY, "api.conversion": ENTRY, "api.blocks": ENTRY, "api.serialization": ENTRY,
+    "api.dcp_state": ENTRY, "api.calibration": ENTRY, "export.serving_scales": ENTRY, "export.kv_scales": ENTRY,
+    "export.streamed_scales": ENTRY, "export.safetensors_reader": ENTRY, "export.checkpoint_keys": ENTRY,
+    "export.weightless": ENTRY, "testing.hf_configs": ENTRY,
     "testing.hf_config_shrinker": ENTRY,
-    "inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
+    "api.inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
 }
 
 #: Third-party modules a library function may import when it runs, and why not at the top.

@@ -23,7 +23,7 @@ import torch
 from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx.testing import hf_configs
 from geoscale_fx.cli import main
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.export.kv_scales import export_kv_scales
 from geoscale_fx.kv_cache.manager import KVCacheManager
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 

@@ -59,7 +59,7 @@ def test_no_submodule_shadows_the_standard_library():
 def test_in_place_and_wrapper_forms_are_exported():
     """``apply_`` (in place, same object) and ``wrap`` (a wrapper module) are both public, with
     the state file helpers; the in-place form returns the very module it was given."""
-    from geoscale_fx import conversion, serialization, wrapper
+    from geoscale_fx.api import conversion, serialization, wrapper
 
     assert {"apply_", "wrap", "save_state", "load_state"} <= set(geoscale_fx.__all__)
     assert geoscale_fx.apply_ is conversion.apply_ and geoscale_fx.wrap is wrapper.wrap

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx import checkpoint_scales
-from geoscale_fx.checkpoint_scales import meta_model
+from geoscale_fx.export.safetensors_reader import CheckpointReader
+from geoscale_fx.export import streamed_scales as checkpoint_scales
+from geoscale_fx.export.streamed_scales import meta_model
 from geoscale_fx.cli import main
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.export.kv_scales import export_kv_scales
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo

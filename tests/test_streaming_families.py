@@ -10,7 +10,7 @@ an adversarial one (``bench.export_families``: the layer's writer found by watch
 * ``gemma3``: a legacy key layout (parameter ``model.language_model.layers.0…`` stored as
   ``language_model.model.layers.0…``), read through transformers' renamings;
 * ``sarvam_moe``: q/k/v built on load by a converter's ``Split`` of a fused
-  ``query_key_value`` (tests/test_checkpoint_keys.py: the rows read);
+  ``query_key_value`` (tests/export/test_checkpoint_keys.py: the rows read);
 * ``gptj``: a non-persistent sinusoid table indexed by the positions (on the meta device:
   "Tensor device mismatch … meta and cpu");
 * ``helium``: an interleaved rotary table the analysis evaluates (on the meta device:
@@ -36,7 +36,7 @@ import torch
 
 from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx.testing import hf_configs
-from geoscale_fx.export import export_kv_scales
+from geoscale_fx.export.kv_scales import export_kv_scales
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo

@@ -41,7 +41,7 @@ from bench.methods import METHODS
 from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
 from bench.timing import interleaved, spread_flag
-from geoscale_fx.reporting import site_records
+from geoscale_fx.api.reporting import site_records
 
 __all__ = ["inference", "decode_lengths", "QUALITY_SEEDS"]
 

@@ -1,7 +1,7 @@
 """A cache layer's certified q/k/v bounds, and the k/v scales rounded up from them.
 
 For a layer whose keys (values) obey ``max |entry| ≤ B_h`` on kv head h (float64, from the
-weights: ``geoscale_fx.kv_cache.weight_scales``, or a checkpoint: ``geoscale_fx.checkpoint_scales``)
+weights: ``geoscale_fx.kv_cache.weight_scales``, or a checkpoint: ``geoscale_fx.export.streamed_scales``)
 the FP8 scale is the divisor
 
     s_h = ⌈B_h / R_max⌉_f32          the smallest float32 ≥ B_h / R_max

@@ -22,7 +22,7 @@ from geoscale_fx.compile.attach import (
 )
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache.manager import KVCacheManager
-from geoscale_fx.reporting import report
+from geoscale_fx.api.reporting import report
 from geoscale_fx.sites.state import GeoscaleState
 
 __all__ = ["GeoscaleModule", "wrap", "STATE_ATTR"]

@@ -1,4 +1,4 @@
-"""geoscale_fx.wrapper: ``wrap(model)`` — the model's own keys, signature and attributes, the
+"""geoscale_fx.api.wrapper: ``wrap(model)`` — the model's own keys, signature and attributes, the
 output of ``scaling="none"`` equal to eager, and its refusals. aot_eager, explicit attention
 (rewritten in place)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import geoscale_fx
 from geoscale_fx.sites.state import GeoscaleState
-from geoscale_fx.wrapper import GeoscaleModule, wrap
+from geoscale_fx.api.wrapper import GeoscaleModule, wrap
 from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.attention_variants import Block
 

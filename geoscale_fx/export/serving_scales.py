@@ -45,9 +45,9 @@ import logging
 import torch
 from torch import nn
 
-from geoscale_fx.export import KVExportOptions, scale_tensors
+from geoscale_fx.export.kv_scales import KVExportOptions, scale_tensors
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
-from geoscale_fx.wrapper import GeoscaleModule
+from geoscale_fx.api.wrapper import GeoscaleModule
 
 __all__ = ["attention_scales"]
 

@@ -1,4 +1,4 @@
-"""geoscale_fx.serialization: ``geoscale_state.safetensors`` beside the weights — round trip,
+"""geoscale_fx.api.serialization: ``geoscale_state.safetensors`` beside the weights — round trip,
 the weights' fingerprint (‖W‖² float64) and what a mismatch does. The state is built with
 ``attach_state`` (no compile)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from geoscale_fx.compile.attach import attach_state
-from geoscale_fx.serialization import STATE_FILE, install_save_pretrained, load_state, save_state
+from geoscale_fx.api.serialization import STATE_FILE, install_save_pretrained, load_state, save_state
 from geoscale_fx.sites.state import StateSpec
 
 SPECS = [StateSpec("u", (3,), warm=True), StateSpec("sigma", (1,))]

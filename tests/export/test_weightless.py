@@ -1,4 +1,4 @@
-"""geoscale_fx/weightless.py: stand-ins of one stored zero, and products with ``c·𝟙``.
+"""geoscale_fx/export/weightless.py: stand-ins of one stored zero, and products with ``c·𝟙``.
 
 The products are checked against torch's own on the operand made dense (``contiguous()``),
 the stand-ins against the meta model they replace.
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.analysis.capture import capture_graphs
-from geoscale_fx.weightless import ConstantProducts, repeated_value, weightless
+from geoscale_fx.export.weightless import ConstantProducts, repeated_value, weightless
 
 aten = torch.ops.aten
 
@@ -90,7 +90,7 @@ def test_graph_mode_is_entered_around_each_run_of_a_captured_graph(monkeypatch):
     """A graph break makes two graphs; the mode is entered once per graph run, and both
     products inside are computed from the identity (the 1000×1000 constant is never made
     dense)."""
-    from geoscale_fx import weightless as module
+    from geoscale_fx.export import weightless as module
 
     entered, identities = [], []
     product = module._product

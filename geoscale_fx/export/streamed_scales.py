@@ -59,8 +59,8 @@ from torch import nn
 
 from geoscale_fx.numerics.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.analysis.capture import CapturedGraph, capture_graphs
-from geoscale_fx.checkpoint_keys import CheckpointKeys
-from geoscale_fx.checkpoint_reader import CheckpointReader
+from geoscale_fx.export.checkpoint_keys import CheckpointKeys
+from geoscale_fx.export.safetensors_reader import CheckpointReader
 from geoscale_fx.testing.hf_configs import causal_lm_class, token_inputs
 from geoscale_fx.kv_cache.layer_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
@@ -72,7 +72,7 @@ from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.evaluate import ParamEvaluator
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds, upstream
 from geoscale_fx.sites.model import AttentionSite, CacheWrite
-from geoscale_fx.weightless import ConstantProducts, weightless
+from geoscale_fx.export.weightless import ConstantProducts, weightless
 
 __all__ = ["CheckpointScales", "checkpoint_layer_scales", "meta_model", "traced_graphs"]
 

@@ -40,10 +40,10 @@ from geoscale_fx.compile.attach import (
 )
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache.manager import KVCacheManager
-from geoscale_fx.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
+from geoscale_fx.api.serialization import (STATE_FILE, hook_trainer_resume, install_save_pretrained,
                                        load_state)
 from geoscale_fx.sites.state import GeoscaleState
-from geoscale_fx.wrapper import GeoscaleModule
+from geoscale_fx.api.wrapper import GeoscaleModule
 
 __all__ = ["apply_", "restore_", "plain_state_dict"]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import geoscale_fx
-from geoscale_fx import inspection
+from geoscale_fx.api import inspection
 from geoscale_fx.cli import main
 from tests.hf_models import build_hf
 
@@ -209,13 +209,13 @@ def _encoder_layer():
 
 
 def test_package_module_function_with_its_own_inputs(capsys):
-    code, out, _ = _inspect(capsys, "tests.test_inspection:_encoder_layer")
+    code, out, _ = _inspect(capsys, "tests.api.test_inspection:_encoder_layer")
     assert code == 0
     (row,) = _table(out)
     assert (row["site"], row["kind"], row["supported"], row["heads q/kv"]) == \
         ("self_attn", "mha", "True", "4/4")
     assert math.isfinite(float(row["bound"]))
-    code, _, err = _inspect(capsys, "tests.test_inspection:_encoder_layer",
+    code, _, err = _inspect(capsys, "tests.api.test_inspection:_encoder_layer",
                             "--attn-impl", "eager")
     assert code == 2 and "applies to Hugging Face models" in err
 

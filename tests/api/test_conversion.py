@@ -1,4 +1,4 @@
-"""geoscale_fx.conversion: ``apply_`` in place (same object, class and output with
+"""geoscale_fx.api.conversion: ``apply_`` in place (same object, class and output with
 ``scaling="none"``), its idempotence and refusals; ``plain_state_dict``'s keys.
 tests/test_restore.py covers ``restore_`` on Hugging Face models."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from geoscale_fx.conversion import apply_, plain_state_dict, restore_
-from geoscale_fx.wrapper import wrap
+from geoscale_fx.api.conversion import apply_, plain_state_dict, restore_
+from geoscale_fx.api.wrapper import wrap
 from tests.analysis_checks import assert_none_scaling_equals_eager
 from tests.attention_variants import Block
 

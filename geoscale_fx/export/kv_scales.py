@@ -66,10 +66,10 @@ Two routes to the same bounds:
 * **A checkpoint directory** (``export_kv_scales("ckpt")``, what ``geoscale
   export-kv-scales ckpt`` runs): for checkpoints bigger than memory. The model is built from
   ``config.json`` on the meta device and traced with its weights standing in as one stored
-  zero each (``geoscale_fx.weightless``); each attention's q/k/v projections, biases and
+  zero each (``geoscale_fx.export.weightless``); each attention's q/k/v projections, biases and
   norm gains — the tensors its analysis names, nothing found by name — are read with
   ``safetensors.safe_open``, under the names transformers loads them from, one layer at a
-  time, and dropped after (``geoscale_fx.checkpoint_scales``). A tensor among them that is missing or not finite is a
+  time, and dropped after (``geoscale_fx.export.streamed_scales``). A tensor among them that is missing or not finite is a
   ``ValueError`` naming it and its file, and nothing is written. The scales are
   bit-identical to the first route on ``from_pretrained("ckpt")``.
 
@@ -97,8 +97,8 @@ from typing import Union
 import torch
 from torch import nn
 
-from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
-from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
+from geoscale_fx.export.safetensors_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
+from geoscale_fx.export.streamed_scales import checkpoint_layer_scales
 from geoscale_fx.kv_cache.layers import cache_layer_classes
 from geoscale_fx.kv_cache.refusals import LayerRefusal
 from geoscale_fx.kv_cache.layer_scales import LayerScales, scale_from_bound
@@ -307,7 +307,7 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
       to find its attention (the scales do not depend on them); ``out_dir`` is required;
     * a saved Hugging Face checkpoint directory (safetensors, sharded or not): the model is
       traced without its weights and only the tensors the bounds read are read, one layer
-      at a time (``geoscale_fx.checkpoint_scales``), so a checkpoint bigger than memory
+      at a time (``geoscale_fx.export.streamed_scales``), so a checkpoint bigger than memory
       works; no example inputs; ``out_dir`` defaults to the directory (merged into it). A
       missing or non-finite tensor among those read is a ``ValueError`` naming it.
 

@@ -1,4 +1,4 @@
-"""geoscale_fx.checkpoint: ``load_scaling_state`` from a DCP checkpoint, single process.
+"""geoscale_fx.api.dcp_state: ``load_scaling_state`` from a DCP checkpoint, single process.
 The state is built with ``attach_state`` (no compile)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if not dist.is_available():
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from geoscale_fx.compile.attach import attach_state  # noqa: E402
-from geoscale_fx.checkpoint import load_scaling_state  # noqa: E402
+from geoscale_fx.api.dcp_state import load_scaling_state  # noqa: E402
 from geoscale_fx.sites.state import StateSpec  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(

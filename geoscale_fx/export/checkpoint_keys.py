@@ -37,7 +37,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from geoscale_fx.checkpoint_reader import CheckpointReader
+from geoscale_fx.export.safetensors_reader import CheckpointReader
 
 __all__ = ["CheckpointKeys"]
 

@@ -1,4 +1,4 @@
-"""geoscale_fx.serving_scales: ``attention_scales`` on a hand-built block (no Hugging Face):
+"""geoscale_fx.export.serving_scales: ``attention_scales`` on a hand-built block (no Hugging Face):
 the k/v/q scales against the entry bound recomputed in float64 from the live weights, the
 model's train/eval flags left as they were, and the wrapper's names.
 tests/test_attention_scales.py covers Hugging Face models and the RL-loop workflow."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from geoscale_fx.serving_scales import attention_scales
-from geoscale_fx.wrapper import wrap
+from geoscale_fx.export.serving_scales import attention_scales
+from geoscale_fx.api.wrapper import wrap
 from tests.attention_variants import Block
 
 D, H, DH = 64, 4, 16

@@ -1,4 +1,4 @@
-"""geoscale_fx/checkpoint_keys.py: model parameters read under the names a checkpoint that
+"""geoscale_fx/export/checkpoint_keys.py: model parameters read under the names a checkpoint that
 transformers 5.24 saved holds them by, on checkpoints ``save_pretrained`` wrote. What is read
 is checked against the stored tensors, cut here by hand."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from geoscale_fx.testing import hf_configs
-from geoscale_fx.checkpoint_keys import CheckpointKeys
-from geoscale_fx.checkpoint_reader import CheckpointReader
-from geoscale_fx.checkpoint_scales import checkpoint_layer_scales, meta_model
+from geoscale_fx.export.checkpoint_keys import CheckpointKeys
+from geoscale_fx.export.safetensors_reader import CheckpointReader
+from geoscale_fx.export.streamed_scales import checkpoint_layer_scales, meta_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo

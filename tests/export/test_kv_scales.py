@@ -1,4 +1,4 @@
-"""geoscale_fx.export: ``scale_tensors`` on hand-made bounds (B / 448 rounded up to float32),
+"""geoscale_fx.export.kv_scales: ``scale_tensors`` on hand-made bounds (B / 448 rounded up to float32),
 the compressed-tensors config dicts, and the refusals of ``export_kv_scales`` that leave the
 output directory untouched. tests/test_export_kv_scales.py covers Hugging Face models."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from geoscale_fx import export
-from geoscale_fx.export import KVExportOptions, export_kv_scales, quantization_config, scale_tensors
+from geoscale_fx.export import kv_scales as export
+from geoscale_fx.export.kv_scales import KVExportOptions, export_kv_scales, quantization_config, scale_tensors
 from tests.attention_variants import Block
 
 

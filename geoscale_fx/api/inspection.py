@@ -21,7 +21,7 @@ bound is certified; a site left alone says why in "reason".
 
 Example::
 
-    >>> from geoscale_fx.inspection import load_model, sites_report
+    >>> from geoscale_fx.api.inspection import load_model, sites_report
     >>> loaded = load_model("./saved-model/config.json")       # meta device
     >>> print(sites_report(loaded.model, loaded.inputs))
 """

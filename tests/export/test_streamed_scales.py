@@ -1,4 +1,4 @@
-"""geoscale_fx.checkpoint_scales: per-layer q/k/v bounds of a saved checkpoint, traced on the
+"""geoscale_fx.export.streamed_scales: per-layer q/k/v bounds of a saved checkpoint, traced on the
 meta device. A tiny GPT-2 (no rotary: each entry's bound is ``max_i ρ‖a_i‖ + |c_i|``) is
 checked against that formula recomputed in float64 from the saved tensors, and against the
 q/k/v of an eager forward of the loaded model."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoscale_fx.checkpoint_scales import checkpoint_layer_scales
+from geoscale_fx.export.streamed_scales import checkpoint_layer_scales
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from geoscale_fx.wrapper import GeoscaleModule, wrap
+from geoscale_fx.api.wrapper import GeoscaleModule, wrap
 
 __all__ = ["calibrate"]
 

@@ -1,4 +1,4 @@
-"""geoscale_fx.checkpoint_reader: ``CheckpointReader`` on hand-written safetensors directories
+"""geoscale_fx.export.safetensors_reader: ``CheckpointReader`` on hand-written safetensors directories
 (tests/test_streaming_export.py exercises it through ``export_kv_scales``)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from geoscale_fx.checkpoint_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE, CheckpointReader
+from geoscale_fx.export.safetensors_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE, CheckpointReader
 
 
 def _sharded(path, shards: dict[str, dict[str, torch.Tensor]], listed=None):
