@@ -1,8 +1,8 @@
-"""The package's import structure: layers with no circle and no upward import.
+"""The package's import structure: folders that are layers, no circle, no upward import.
 
-Read from the source with ``ast`` (nothing is imported): every ``geoscale_fx`` module is
-listed in ``LAYERS``, bottom-up; a module imports only modules of its own layer or below,
-only at the top of its file, and the imports form no cycle. ``if TYPE_CHECKING:`` blocks
+Read from the source with ``ast`` (nothing is imported): every ``geoscale_fx`` module lives
+in one of ``FOLDERS`` (bottom-up) or at the package's top; a module imports only modules of
+its own folder or of a folder below, only at the top of its file, and the imports form no cycle. ``if TYPE_CHECKING:`` blocks
 are ignored (they never run). Third-party modules may be imported inside a function only
 when they are optional or missing from some torch builds (``LAZY_THIRD_PARTY``).
 
@@ -18,58 +18,34 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "geoscale_fx"
 
-MATH, DATA, NUMERICS, POLICIES, ANALYSIS, RUNTIME, BACKEND, ATTACH, REPORT, ENTRY = range(10)
-LAYER_NAMES = ("math", "plain data", "numerics", "policies and planning", "analysis passes",
-               "rewrite and runtime", "backend", "attachment", "report", "entry points")
+#: The package's folders, bottom-up: a module imports only from its own folder (subfolders
+#: included) or from a folder below it. Modules at the package's top (``cli``, ``__main__``)
+#: sit above every folder. A new module needs no edit here; a new folder does.
+FOLDERS = (
+    "core",        # math on numbers and tensors: bounds, formats, spectral norms
+    "testing",     # models at test size: shrunk Hugging Face configs, the paper's models
+    "sites",       # plain data: the attention site, its terms, its scaling state
+    "options",     # GeoscaleOptions, recipes, the rules between options
+    "numerics",    # per-site numerics: head weights, logit and q/k/v entry bounds, estimators
+    "kernels",     # the attention the rewritten graph calls (FP8 logits, FP8 q/k/v)
+    "planning",    # plans and the per-step scaling policies
+    "analysis",    # capture and the FX analysis: sites traced back to the weights
+    "runtime",     # the host side of a compiled graph: refresh, change records, key trust
+    "kv_cache",    # KV-cache scales from the weights, FP8/NVFP4 cache layers, generate's cache
+    "compile",     # the rewrite, ATen traces and their cache, the backend, attachment
+    "api",         # what users call on a model: apply_, wrap, blocks, calibrate, report, state
+    "export",      # scales for serving engines, from live models or saved checkpoints
+    "",            # the package's top: the command line
+)
+RANK = {folder: rank for rank, folder in enumerate(FOLDERS)}
+#: most modules a folder (its subfolders apart) may hold
+FOLDER_LIMIT = 15
 
-#: Every module of the package (package ``__init__``s excepted: see
-#: ``test_package_inits_import_nothing_of_the_package``), by layer, bottom-up.
-LAYERS = {
-    # math on numbers and tensors: bounds, formats, spectral norms, the paper's table
-    "core.bounds": MATH, "core.fp8": MATH, "core.nvfp4": MATH, "core.spectral": MATH, "core.parameter_radius": MATH, "runtime.version_record": MATH, "testing.paper_models": MATH,
-    # plain data: the site the analysis returns, the options, the state containers
-    "sites.terms": DATA, "sites.model": DATA, "options.recipes": DATA, "options.rules": DATA,
-    "options.config": DATA, "sites.state": DATA, "kv_cache.layer_scales": DATA, "kv_cache.refusals": DATA,
-    # per-term numerics on a site, and the attention kernels the rewritten graph calls
-    "numerics.head_weights": NUMERICS, "numerics.relative_rope_bound": NUMERICS, "numerics.logit_bounds": NUMERICS,
-    "numerics.amax": NUMERICS, "numerics.estimators": NUMERICS,
-    "numerics.distributed": NUMERICS, "kernels.logit_attention": NUMERICS, "kernels.qkv_attention": NUMERICS,
-    # policies and planning
-    "planning.scaling": POLICIES, "planning.qkv_scaling": POLICIES, "planning.plan": POLICIES,
-    # analysis: FX passes that find and describe sites, and the capture that runs them
-    "analysis.fx.module_names": ANALYSIS, "analysis.fx.activation_checkpoint": ANALYSIS, "analysis.fx.graph_ops": ANALYSIS, "analysis.index.broadcast": ANALYSIS, "analysis.index.index_track": ANALYSIS,
-    "analysis.rotary.rotary_replay": ANALYSIS, "analysis.fx.dtensor": ANALYSIS,
-    "analysis.index.index_replay": ANALYSIS,
-    "analysis.norms.normalization": ANALYSIS, "analysis.norms.parameter_bound": ANALYSIS, "analysis.sides.provenance": ANALYSIS,
-    "analysis.forms.find_sites": ANALYSIS, "analysis.forms.cached_keys": ANALYSIS, "analysis.evaluate": ANALYSIS,
-    "analysis.forms.fp8_cache_reads": ANALYSIS, "analysis.analyze": ANALYSIS, "analysis.capture": ANALYSIS,
-    "analysis.dynamo_code": ANALYSIS,
-    "analysis.index.replay_records": ANALYSIS, "analysis.rotary.rotary_terms": ANALYSIS,
-    "analysis.rotary.rotary_gain": ANALYSIS, "analysis.forms.candidate": ANALYSIS,
-    "analysis.rotary.rotation_pairs": ANALYSIS, "analysis.sides.operand_sides": ANALYSIS,
-    "analysis.sides.adapter_fold": ANALYSIS, "analysis.sides.logit_terms": ANALYSIS, "analysis.sides.sink_bound": ANALYSIS, "analysis.norms.bounded_operand": ANALYSIS, "analysis.norms.l2_clip": ANALYSIS, "analysis.norms.assembled_writes": ANALYSIS, "analysis.forms.measured_sites": ANALYSIS, "analysis.sides.score_operands": ANALYSIS,
-    "analysis.sides.head_mapping": ANALYSIS, "analysis.forms.site_fields": ANALYSIS,
-    "analysis.sides.value_side": ANALYSIS, "analysis.forms.cached_key_sites": ANALYSIS,
-    "analysis.sides.traced_operands": ANALYSIS, "analysis.forms.opaque_attention": ANALYSIS,
-    "analysis.forms.cache_writes": ANALYSIS,
-    # the rewrite, what runs with the compiled graph, and the FP8 KV cache of generate
-    "compile.rewrite": RUNTIME, "compile.aten_trace": RUNTIME, "compile.graph_cache": RUNTIME, "runtime.graph_runtime": RUNTIME, "runtime.key_norm_trust": RUNTIME,
-    "kv_cache.weight_scales": RUNTIME, "kv_cache.layers": RUNTIME, "kv_cache.manager": RUNTIME,
-    "kv_cache.layer_map": RUNTIME,
-    # the backend, and the registry of live backends that the report reads
-    "compile.dynamo_backend": BACKEND, "compile.backend_sites": BACKEND, "compile.backend_registry": BACKEND,
-    # state, backend and checked call attached to a model (shared by wrap, apply_, blocks)
-    "compile.attach": ATTACH,
-    # the report reads the backend's records; entry points expose it (GeoscaleModule.report)
-    "api.reporting": REPORT,
-    # entry points, and the readers only they use
-    "api.wrapper": ENTRY, "api.conversion": ENTRY, "api.blocks": ENTRY, "api.serialization": ENTRY,
-    "api.dcp_state": ENTRY, "api.calibration": ENTRY, "export.serving_scales": ENTRY, "export.kv_scales": ENTRY,
-    "export.streamed_scales": ENTRY, "export.safetensors_reader": ENTRY, "export.checkpoint_keys": ENTRY,
-    "export.weightless": ENTRY, "testing.hf_configs": ENTRY,
-    "testing.hf_config_shrinker": ENTRY,
-    "api.inspection": ENTRY, "cli": ENTRY, "__main__": ENTRY,
-}
+
+def folder_of(module: str) -> str:
+    """``"analysis.fx.graph_ops"`` -> ``"analysis"``; a top-level module -> ``""``."""
+    return module.split(".")[0] if "." in module else ""
+
 
 #: Third-party modules a library function may import when it runs, and why not at the top.
 LAZY_THIRD_PARTY = {
@@ -240,10 +216,11 @@ def _upward(imports: list[Import]) -> list[str]:
     edges = set()
     for imp in imports:
         target = _internal(imp.target)
-        if target and target != imp.module and imp.module in LAYERS and target in LAYERS \
-                and LAYERS[target] > LAYERS[imp.module]:
-            edges.add(f"{imp.module} ({LAYER_NAMES[LAYERS[imp.module]]}) imports {target} "
-                      f"({LAYER_NAMES[LAYERS[target]]})")
+        if not target or target == imp.module:
+            continue
+        mine, theirs = folder_of(imp.module), folder_of(target)
+        if mine in RANK and theirs in RANK and RANK[theirs] > RANK[mine]:
+            edges.add(f"{imp.module} ({mine or 'top'}) imports {target} ({theirs or 'top'})")
     return sorted(edges)
 
 
@@ -302,10 +279,25 @@ def test_package_inits_import_nothing_of_the_package():
     assert [i for i in imports if _internal(i.target) is not None] == []
 
 
-def test_every_module_has_a_layer():
+def test_every_module_is_in_a_known_folder_and_no_folder_is_crowded():
     modules = {m for m, (_, is_package) in _modules().items() if not is_package}
-    assert sorted(modules - set(LAYERS)) == []
-    assert sorted(set(LAYERS) - modules) == []
+    assert sorted(m for m in modules if folder_of(m) not in RANK) == []
+    assert {folder_of(m) for m in modules} == set(FOLDERS)
+    per_folder: dict[str, int] = {}
+    for m in modules:
+        per_folder[m.rpartition(".")[0]] = per_folder.get(m.rpartition(".")[0], 0) + 1
+    assert {f: n for f, n in per_folder.items() if n > FOLDER_LIMIT} == {}
+
+
+def test_every_folder_says_what_it_holds():
+    """Each package ``__init__`` has a docstring (what it holds; the top folders also what
+    they may import)."""
+    for module, (path, is_package) in _modules().items():
+        if is_package and module:
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and len(doc.split()) >= 10, f"{module}/__init__.py says nothing"
+            if "." not in module and module not in ("core",):
+                assert "import" in doc, f"{module}/__init__.py: what may it import?"
 
 
 def test_no_module_imports_a_higher_layer():
@@ -313,11 +305,13 @@ def test_no_module_imports_a_higher_layer():
 
 
 def test_a_higher_layer_import_is_reported():
-    low = next(m for m, layer in LAYERS.items() if layer == NUMERICS)
-    high = next(m for m, layer in LAYERS.items() if layer == BACKEND)
-    imports = [Import(low, f"geoscale_fx.{high}", 1, True),
-               Import(high, f"geoscale_fx.{low}", 2, True)]
-    assert _upward(imports) == [f"{low} (numerics) imports {high} (backend)"]
+    imports = [Import("numerics.logit_bounds", "geoscale_fx.compile.dynamo_backend", 1, True),
+               Import("compile.dynamo_backend", "geoscale_fx.numerics.logit_bounds", 2, True),
+               Import("analysis.fx.graph_ops", "geoscale_fx.analysis.capture", 3, True),
+               Import("core.fp8", "geoscale_fx.cli", 4, True)]
+    assert _upward(imports) == [
+        "core.fp8 (core) imports cli (top)",
+        "numerics.logit_bounds (numerics) imports compile.dynamo_backend (compile)"]
 
 
 # ---- the installed library never imports the repository's tools ------------------------

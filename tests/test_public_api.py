@@ -69,3 +69,13 @@ def test_in_place_and_wrapper_forms_are_exported():
     assert geoscale_fx.apply_(layer, compiler="eager") is layer
     assert type(layer) is torch.nn.TransformerEncoderLayer
     assert isinstance(geoscale_fx.wrap(torch.nn.Linear(2, 2)), geoscale_fx.GeoscaleModule)
+
+
+def test_the_site_bounds_are_public_names():
+    """``site_logit_bound`` and ``site_amax_bounds``, taught in the docs, are reached from the
+    package, not through the folder that holds them."""
+    from geoscale_fx.numerics import amax, logit_bounds
+
+    assert {"site_logit_bound", "site_amax_bounds"} <= set(geoscale_fx.__all__)
+    assert geoscale_fx.site_logit_bound is logit_bounds.site_logit_bound
+    assert geoscale_fx.site_amax_bounds is amax.site_amax_bounds
