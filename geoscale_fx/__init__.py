@@ -21,6 +21,7 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.DelayedRecipe / CurrentRecipe / NoScalingRecipe   # wrap(model, recipe=...)
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
+    geoscale_fx.NonFiniteWeights                  # raised when a parameter holds inf/nan
     geoscale_fx.site_logit_bound(site)            # certified per-head bound on |S|, current weights
     geoscale_fx.site_amax_bounds(site)            # certified per-head bounds on q/k/v entries
     geoscale_fx.bounds      bounds on |S| and the paper's α/γ calibration rule
@@ -59,6 +60,7 @@ _LAZY = {
     "restore_": ("geoscale_fx.api.conversion", "restore_"),
     "plain_state_dict": ("geoscale_fx.api.conversion", "plain_state_dict"),
     "AttentionSite": ("geoscale_fx.sites.model", "AttentionSite"),
+    "NonFiniteWeights": ("geoscale_fx.core.errors", "NonFiniteWeights"),
     "site_logit_bound": ("geoscale_fx.numerics.logit_bounds", "site_logit_bound"),
     "site_amax_bounds": ("geoscale_fx.numerics.amax", "site_amax_bounds"),
 }

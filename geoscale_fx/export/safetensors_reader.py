@@ -26,6 +26,8 @@ from typing import Iterable, Union
 
 import torch
 
+from geoscale_fx.core.errors import non_finite_entries
+
 __all__ = ["CheckpointReader", "INDEX_FILE", "SINGLE_WEIGHTS_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -124,19 +126,13 @@ class CheckpointReader:
 
 
 def _finite(tensor: torch.Tensor, name: str, path: Path) -> torch.Tensor:
-    if tensor.is_floating_point() and tensor.numel():
-        if tensor.dtype in _MINMAX_DTYPES:   # one pass; NaN and ±inf reach the min or max
-            low, high = torch.aminmax(tensor)
-            if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
-                return tensor
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            raise ValueError(f"checkpoint tensor {name!r} in {path} has {bad} non-finite "
-                             "entries (NaN or ±inf); no certified scale can come from it")
+    bad = non_finite_entries(tensor)
+    if bad:
+        raise ValueError(f"checkpoint tensor {name!r} in {path} has {bad} non-finite "
+                         "entries (NaN or ±inf); no certified scale can come from it")
     return tensor
 
 
-_MINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: safetensors dtype names -> torch attribute names
 _TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                  "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",

@@ -38,7 +38,7 @@ from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.analysis.forms.cache_writes import sites_and_cache_writes
 from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.fx.graph_ops import upstream
-from geoscale_fx.planning.scaling import NonFiniteWeights
+from geoscale_fx.core.errors import NonFiniteWeights, all_finite, non_finite_entries
 from geoscale_fx.sites.model import CacheWrite
 
 __all__ = ["WeightKVScales"]
@@ -192,20 +192,16 @@ class WeightKVScales:
     def _check_finite(self) -> None:
         """Raise ``NonFiniteWeights`` naming the first site and parameter holding inf/nan,
         before any bound is computed (an eigensolver given NaN raises a bare
-        ``LinAlgError``). A finite sum has no inf/nan terms, so one sum per tensor screens
-        them all (a few ms less per refresh than ``isfinite``); only a non-finite sum (or
-        one that overflowed) is looked at entry by entry."""
+        ``LinAlgError``). ``all_finite`` screens them with one sum per tensor (a few ms less
+        per refresh than ``isfinite``); only then is a tensor looked at entry by entry."""
         reads = [(site, index, i, to_local(self._graphs[index].example_inputs[i]))
                  for site, index, positions in self._reads for i in positions]
         reads = [r for r in reads if isinstance(r[3], torch.Tensor)
                  and r[3].is_floating_point() and r[3].device.type != "meta"]
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for *_, value in reads:
-            by_device.setdefault(value.device, []).append(value.sum())
-        if all(bool(torch.stack(sums).isfinite().all()) for sums in by_device.values()):
+        if all_finite([value for *_, value in reads]):
             return
         for site, index, i, value in reads:
-            bad = int((~torch.isfinite(value)).sum())
+            bad = non_finite_entries(value)
             if bad:
                 name = self._names[index].get(i, f"graph input {i}")
                 raise NonFiniteWeights(

@@ -35,7 +35,7 @@ from geoscale_fx.analysis.evaluate import ParamEvaluator
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds, parameter_name, upstream
 from geoscale_fx.analysis.fx.module_names import graph_tensor_names
 from geoscale_fx.planning.plan import SitePlan
-from geoscale_fx.planning.scaling import NonFiniteWeights
+from geoscale_fx.core.errors import NonFiniteWeights, non_finite_entries
 from geoscale_fx.sites.state import SiteState
 from geoscale_fx.runtime.version_record import VersionRecord
 
@@ -327,9 +327,8 @@ def check_finite(plan: SitePlan, weights: dict, by_name: dict[str, Node],
     (``name_of``: the model's name of a tensor, by identity, for a graph serving another
     block than the one it was compiled for)."""
     for name, value in weights.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and \
-                value.device.type != "meta" and not bool(torch.isfinite(value).all()):
-            bad = int((~torch.isfinite(value)).sum())
+        bad = non_finite_entries(value) if isinstance(value, torch.Tensor) else 0
+        if bad:
             label = (name_of(value) if name_of is not None else None) or \
                 _param_label(by_name[name])
             raise NonFiniteWeights(

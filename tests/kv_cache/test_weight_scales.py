@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from geoscale_fx.planning.scaling import NonFiniteWeights
+from geoscale_fx.core.errors import NonFiniteWeights
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 from tests.hf_models import build_hf
 
