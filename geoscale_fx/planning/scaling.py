@@ -8,7 +8,7 @@ place that picks the policy for a site is :func:`make_policy`.
 
 * ``GeometryScaling``: ``scale = α · B / (η · R_max)`` with ``B = M(Σ_t bound_t)`` the site's
   bound (one estimator per term, ``geoscale_fx.numerics.estimators``; M the modifiers) and α from an
-  ``Alpha`` policy (a constant, the paper's α_min of the *current* length, or auto-α);
+  ``AlphaPolicy`` (a constant, the paper's α_min of the *current* length, or auto-α);
 * ``DelayedScaling`` (paper): ``max(history) / (R_max · 0.9)``, history of 16 maxima
   initialised to 1.0; (TransformerEngine): multiplier ``(R_max / amax) / 2^margin`` from a
   history of 1024 zeros, kept when amax is 0, inf or nan;
@@ -28,8 +28,8 @@ from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.state import StateSpec
 
 __all__ = ["ScalingPolicy", "GeometryScaling", "DelayedScaling", "CurrentScaling",
-           "NoScaling", "Alpha", "make_policy", "common_specs", "observe", "finish_step",
-           "NonFiniteWeights", "NON_FINITE_TAG"]
+           "NoScaling", "AlphaPolicy", "make_policy", "common_specs", "observe", "finish_step",
+           "NON_FINITE_TAG"]
 
 PAPER_DELAYED_ETA = 0.9
 TE_MARGIN = 0
@@ -37,10 +37,6 @@ TE_MARGIN = 0
 #: the message of the in-graph assertion on non-finite bounds (the runtime then names the
 #: parameter on the host, see ``runtime.GraphRuntime.diagnose``)
 NON_FINITE_TAG = "geoscale: non-finite weights"
-
-
-class NonFiniteWeights(ValueError):
-    """A site's parameters hold inf or nan: its bound (and FP8 scale) would be NaN."""
 
 
 def common_specs(n_scale: int) -> list[StateSpec]:
@@ -55,7 +51,7 @@ def common_specs(n_scale: int) -> list[StateSpec]:
 # α
 # --------------------------------------------------------------------------------------
 
-class Alpha:
+class AlphaPolicy:
     """α of a geometry site: a constant, α_min of the current length ("theory"), or auto-α.
 
     State ``alpha`` is written by exactly one party: its spec (constants), the graph
@@ -192,7 +188,7 @@ class GeometryScaling(ScalingPolicy):
                            power_iters=options.power_iters,
                            cold_start_iters=options.cold_start_iters)
             for i, term in enumerate(site.terms))
-        self.alpha = Alpha(options, site, n_scale, n_heads_total)
+        self.alpha = AlphaPolicy(options, site, n_scale, n_heads_total)
         self.observes = options.audit
 
     def specs(self):
