@@ -10,7 +10,7 @@ import sys
 from tabulate import tabulate
 
 from geoscale_fx.api import inspection
-from geoscale_fx.export.kv_scales import export_kv_scales
+from geoscale_fx.export.kv_scales import WRITERS, export_kv_scales
 from geoscale_fx.testing.paper_models import PAPER_MODELS, calibration_row
 
 __all__ = ["main"]
@@ -74,7 +74,7 @@ def _left_at_default(export) -> list[str]:
 def _export_kv_scales(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     options = dict(strategy=args.strategy, include_q=not args.no_q,
-                   all_or_nothing=args.all_or_nothing)
+                   all_or_nothing=args.all_or_nothing, format=args.format)
     try:
         if os.path.isdir(args.model):     # traced weightless, weights streamed layer by layer
             export = export_kv_scales(args.model, args.out, **options)
@@ -127,6 +127,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--size", choices=("small", "full"), default="small",
                    help="models_zoo paper architectures: scaled-down or full size")
     e.add_argument("--no-q", action="store_true", help="write k_scale/v_scale only")
+    e.add_argument("--format", choices=sorted(WRITERS), default="compressed-tensors",
+                   help="what the scales are written as (default compressed-tensors: what "
+                        "vLLM and SGLang load)")
     e.add_argument("--all-or-nothing", action="store_true",
                    help="refuse the export (exit 2, nothing written) if any cache layer "
                         "cannot be bounded from the weights; by default such a layer is "

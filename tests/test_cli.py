@@ -64,3 +64,15 @@ def test_inspect_is_handed_its_own_arguments(monkeypatch):
     monkeypatch.setattr(cli.inspection, "main", lambda argv: seen.append(argv) or 7)
     assert cli.main(["inspect", "--model-type", "llama", "-h"]) == 7
     assert seen == [["--model-type", "llama", "-h"]]
+
+
+def test_export_format_choices_are_the_writers(capsys):
+    from geoscale_fx.cli import _build_parser
+    from geoscale_fx.export.kv_scales import WRITERS
+
+    parser = _build_parser()
+    assert parser.parse_args(["export-kv-scales", "ckpt"]).format == "compressed-tensors"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export-kv-scales", "ckpt", "--format", "gguf"])
+    assert "invalid choice: 'gguf'" in capsys.readouterr().err
+    assert sorted(WRITERS) == ["compressed-tensors"]

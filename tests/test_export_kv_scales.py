@@ -18,7 +18,8 @@ import torch
 
 from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.cli import main
-from geoscale_fx.export.kv_scales import (KVExportOptions, export_kv_scales, quantization_config)
+from geoscale_fx.export.compressed_tensors import quantization_config
+from geoscale_fx.export.kv_scales import KVExportOptions, export_kv_scales
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 from tests.hf_models import build_hf
 

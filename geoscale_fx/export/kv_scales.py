@@ -1,5 +1,9 @@
 """FP8 KV-cache scales from the weights, written as a compressed-tensors checkpoint holds them.
 
+The scales are format-neutral (``scale_tensors``: checkpoint name -> float32 tensor); a
+writer module per format (``WRITERS``, chosen by ``format=``) writes them: compressed-tensors
+(``geoscale_fx.export.compressed_tensors``) is the first and the default.
+
 Serving engines (vLLM, SGLang) read static FP8 KV-cache scales from a checkpoint whose
 ``config.json`` carries a compressed-tensors ``quantization_config`` with a
 ``kv_cache_scheme``. ``export_kv_scales`` writes the certified bounds of
@@ -87,7 +91,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -97,30 +100,29 @@ from typing import Union
 import torch
 from torch import nn
 
-from geoscale_fx.export.safetensors_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE
+from geoscale_fx.export import compressed_tensors
 from geoscale_fx.export.streamed_scales import checkpoint_layer_scales
 from geoscale_fx.kv_cache.layers import cache_layer_classes
 from geoscale_fx.kv_cache.refusals import LayerRefusal
 from geoscale_fx.kv_cache.layer_scales import LayerScales, scale_from_bound
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
-__all__ = ["KV_STRATEGIES", "KVExportOptions", "KVScaleExport", "export_kv_scales",
-           "kv_cache_scheme", "quantization_config", "scale_tensors"]
+__all__ = ["KV_STRATEGIES", "WRITERS", "KVExportOptions", "KVScaleExport", "export_kv_scales",
+           "scale_tensors"]
 
 log = logging.getLogger("geoscale_fx")
 
-#: ``strategy=`` value -> compressed-tensors ``QuantizationStrategy`` of the kv_cache_scheme
-KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
-#: compressed-tensors' 8-bit float is E4M3 (``FP8_E4M3_DATA``); E5M2 has no such scheme
+#: ``strategy=`` values: one scale per layer, or one per head
+KV_STRATEGIES = ("tensor", "head")
+#: FP8 format of the cached entries
 KV_FORMATS = ("e4m3",)
-SCALES_FILE = "kv_scales.safetensors"
-CONFIG_FRAGMENT_FILE = "quantization_config.json"
-SINGLE_SHARD_FILE = "model-00001-of-00001.safetensors"
-
+#: ``format=`` -> the writer module (``NAME``, ``check(options)``, ``write(tensors, options,
+#: out)``): a new export format is one module here (docs/extending.md)
+WRITERS = {compressed_tensors.NAME: compressed_tensors}
 
 @dataclass(frozen=True)
 class KVExportOptions:
-    """What ``export_kv_scales`` writes."""
+    """What ``export_kv_scales`` writes, whatever the format."""
     strategy: str = "tensor"       # "tensor" (a scalar per layer) or "head" (one per head)
     fmt: str = "e4m3"
     include_q: bool = True         # also q_scale (FP8 attention kernels read it)
@@ -130,8 +132,7 @@ class KVExportOptions:
             raise ValueError(f"strategy={self.strategy!r}; allowed values: "
                              f"{sorted(KV_STRATEGIES)}")
         if self.fmt not in KV_FORMATS:
-            raise ValueError(f"fmt={self.fmt!r}; allowed values: {list(KV_FORMATS)} (a "
-                             "compressed-tensors FP8 kv_cache_scheme is E4M3)")
+            raise ValueError(f"fmt={self.fmt!r}; allowed values: {list(KV_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ class KVScaleExport:
     and values, which were refused (left at the engine's default scale) and why, which
     attentions' caches hold a latent."""
     tensors: dict[str, torch.Tensor]
-    quantization_config: dict
+    quantization_config: dict      # what the format's config holds (compressed-tensors': its
+                                   # quantization_config)
     files: tuple[Path, ...]
     merged: bool                   # into a saved Hugging Face checkpoint in out_dir
     cache_layers: dict[int, str] = field(default_factory=dict)   # cache layer -> attention
@@ -151,20 +153,6 @@ class KVScaleExport:
     #: cache layer (a KV-sharing reader: its name) -> why its scales are not in the file:
     #: refused by the analysis, left at the engine's default scale (1.0 in vLLM)
     left_at_default: dict[Union[int, str], LayerRefusal] = field(default_factory=dict)
-
-
-def kv_cache_scheme(options: KVExportOptions) -> dict:
-    """The compressed-tensors ``QuantizationArgs`` of the KV cache, as JSON."""
-    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
-            "strategy": KV_STRATEGIES[options.strategy], "dynamic": False}
-
-
-def quantization_config(options: KVExportOptions) -> dict:
-    """``config.json``'s ``quantization_config`` for a checkpoint whose only quantization is
-    the KV cache (weights unquantized: ``format="dense"``, no ``config_groups``)."""
-    return {"config_groups": {}, "quant_method": "compressed-tensors",
-            "kv_cache_scheme": kv_cache_scheme(options), "format": "dense",
-            "quantization_status": "frozen", "global_compression_ratio": None, "ignore": []}
 
 
 def scale_tensors(layers: list[LayerScales], options: KVExportOptions
@@ -242,64 +230,13 @@ def _check_module_paths(model: nn.Module, layers: list[LayerScales]) -> None:
                              "(pass the plain Hugging Face model, not a wrapper)") from None
 
 
-def _merged_config(config_path: Path, qconfig: dict) -> dict:
-    """``config.json`` with the ``quantization_config`` (refused: another method's)."""
-    config = json.loads(config_path.read_text())
-    existing = config.get("quantization_config")
-    if existing is not None:
-        if existing.get("quant_method") != "compressed-tensors":
-            raise ValueError(f"export_kv_scales: {config_path} already has a "
-                             f"quantization_config with quant_method="
-                             f"{existing.get('quant_method')!r}; only a compressed-tensors "
-                             "one can take a kv_cache_scheme")
-        qconfig = {**existing, "kv_cache_scheme": qconfig["kv_cache_scheme"]}
-    config["quantization_config"] = qconfig
-    return config
-
-
-def _merged_index(out_dir: Path, names: list[str]) -> dict:
-    """The weight index with ``names`` -> ``kv_scales.safetensors`` added. A single-file
-    checkpoint becomes a sharded one (``_write_index`` renames ``model.safetensors`` to a
-    shard): Hugging Face reads ``model.safetensors`` alone when it exists, ignoring any
-    index, and vLLM keeps only the files an index lists."""
-    index_path = out_dir / INDEX_FILE
-    single = out_dir / SINGLE_WEIGHTS_FILE
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-    elif single.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
-            keys = list(f.keys())
-        index = {"metadata": {}, "weight_map": {k: SINGLE_SHARD_FILE for k in keys}}
-    else:
-        raise ValueError(f"export_kv_scales: {out_dir} has config.json but neither "
-                         f"{INDEX_FILE} nor {SINGLE_WEIGHTS_FILE} (save with "
-                         "save_pretrained(..., safe_serialization=True))")
-    clash = [n for n in names if index["weight_map"].get(n, SCALES_FILE) != SCALES_FILE]
-    if clash:
-        raise ValueError(f"export_kv_scales: the checkpoint already holds {clash[:3]} in "
-                         "another file; remove them first")
-    index["weight_map"].update({n: SCALES_FILE for n in names})
-    index["weight_map"] = dict(sorted(index["weight_map"].items()))
-    return index
-
-
-def _write_index(out_dir: Path, index: dict) -> Path:
-    index_path, single = out_dir / INDEX_FILE, out_dir / SINGLE_WEIGHTS_FILE
-    if not index_path.exists():
-        single.rename(out_dir / SINGLE_SHARD_FILE)
-        log.info("geoscale: export_kv_scales: %s renamed to %s (now indexed)", single.name,
-                 SINGLE_SHARD_FILE)
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
-    return index_path
-
-
 def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
                      out_dir: Union[str, os.PathLike, None] = None, *example_inputs,
                      strategy: str = "tensor", fmt: str = "e4m3", include_q: bool = True,
-                     all_or_nothing: bool = False, **example_kwargs) -> KVScaleExport:
-    """Write the k/v (and q) scales, bound / R_max, as compressed-tensors does.
+                     all_or_nothing: bool = False, format: str = "compressed-tensors",
+                     **example_kwargs) -> KVScaleExport:
+    """Write the k/v (and q) scales, bound / R_max, in ``format`` (``WRITERS``; the first
+    and default: a compressed-tensors checkpoint, what vLLM and SGLang load).
 
     ``model`` is either
 
@@ -319,6 +256,11 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
     runs before the first file is written: a refusal writes nothing.
     """
     options = KVExportOptions(strategy=strategy, fmt=fmt, include_q=include_q)
+    if format not in WRITERS:
+        raise ValueError(f"export_kv_scales: format={format!r}; allowed values: "
+                         f"{sorted(WRITERS)}")
+    writer = WRITERS[format]
+    writer.check(options)
     partial = not all_or_nothing
     if isinstance(model, (str, os.PathLike)):
         if example_inputs or example_kwargs:
@@ -336,29 +278,14 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
             layers = source.capture(*example_inputs, **example_kwargs).layers()
         refused = source.refused
     _check_module_paths(model, layers)
-    return _write(layers, options, Path(out_dir), _report(model, layers, refused))
+    return _write(writer, layers, options, Path(out_dir), _report(model, layers, refused))
 
 
-def _write(layers: list[LayerScales], options: KVExportOptions, out: Path,
+def _write(writer, layers: list[LayerScales], options: KVExportOptions, out: Path,
            report: tuple) -> KVScaleExport:
-    from safetensors.torch import save_file
-
     tensors = scale_tensors(layers, options)
-    qconfig = quantization_config(options)
-    merged = (out / "config.json").exists()
-    if merged:             # refusals first: nothing is written unless all of it can be
-        index = _merged_index(out, sorted(tensors))
-        config = _merged_config(out / "config.json", qconfig)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
-    fragment = out / CONFIG_FRAGMENT_FILE
-    fragment.write_text(json.dumps({"quantization_config": qconfig}, indent=2) + "\n")
-    files = [out / SCALES_FILE, fragment]
-    if merged:
-        index_path = _write_index(out, index)
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        files += [out / "config.json", index_path]
-    log.info("geoscale: export_kv_scales: %d cache layers, strategy=%s, %d tensors -> %s%s",
-             len(layers), options.strategy, len(tensors), out / SCALES_FILE,
-             " (merged into the checkpoint's config.json and index)" if merged else "")
-    return KVScaleExport(tensors, qconfig, tuple(files), merged, *report)
+    config, files, merged = writer.write(tensors, options, out)
+    log.info("geoscale: export_kv_scales: %d cache layers, strategy=%s, %d tensors -> %s (%s)%s",
+             len(layers), options.strategy, len(tensors), files[0], writer.NAME,
+             " (merged into the checkpoint)" if merged else "")
+    return KVScaleExport(tensors, config, tuple(files), merged, *report)

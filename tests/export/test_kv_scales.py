@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from geoscale_fx.export import kv_scales as export
-from geoscale_fx.export.kv_scales import KVExportOptions, export_kv_scales, quantization_config, scale_tensors
+from geoscale_fx.export.compressed_tensors import kv_cache_scheme, quantization_config
+from geoscale_fx.export.kv_scales import WRITERS, KVExportOptions, export_kv_scales, scale_tensors
 from tests.attention_variants import Block
 
 
@@ -96,7 +97,7 @@ def test_quantization_config_is_a_kv_cache_only_compressed_tensors_config():
     assert config["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True,
                                          "group_size": None, "strategy": "attn_head",
                                          "dynamic": False}
-    assert export.kv_cache_scheme(KVExportOptions())["strategy"] == "tensor"
+    assert kv_cache_scheme(KVExportOptions())["strategy"] == "tensor"
 
 
 def test_in_memory_export_writes_scales_and_config_fragment(tmp_path):
@@ -117,4 +118,40 @@ def test_refusals_write_nothing(tmp_path):
         export_kv_scales(Block().eval(), tmp_path, torch.randn(1, 4, 64))   # the root module
     with pytest.raises(ValueError, match=r"strategy='layer'; allowed values"):
         export_kv_scales(Block(), tmp_path, torch.randn(1, 4, 64), strategy="layer")
+    with pytest.raises(ValueError, match=r"format='gguf'; allowed values: \['compressed-tensors'\]"):
+        export_kv_scales(Block(), tmp_path, torch.randn(1, 4, 64), format="gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_format_is_one_writer_module_chosen_by_name(tmp_path):
+    """``format=`` picks a writer from ``WRITERS``; a writer gets the format-neutral tensors
+    and decides the files (here a stand-in that writes nothing and says so)."""
+    written = {}
+
+    class Recording:
+        NAME = "recording"
+
+        @staticmethod
+        def check(options):
+            if options.strategy != "tensor":
+                raise ValueError("recording writes per-tensor scales only")
+
+        @staticmethod
+        def write(tensors, options, out):
+            written.update(tensors)
+            return {"format": "recording"}, [out / "nothing"], False
+
+    model = nn.Sequential()
+    model.add_module("attn", Block().eval())
+    WRITERS["recording"] = Recording
+    try:
+        with pytest.raises(ValueError, match="per-tensor scales only"):
+            export_kv_scales(model, tmp_path, torch.randn(1, 4, 64), format="recording",
+                             strategy="head")
+        result = export_kv_scales(model, tmp_path, torch.randn(1, 4, 64), format="recording")
+    finally:
+        del WRITERS["recording"]
+    reference = export_kv_scales(model, tmp_path / "ct", torch.randn(1, 4, 64))
+    assert result.quantization_config == {"format": "recording"} and list(tmp_path.iterdir()) == [tmp_path / "ct"]
+    assert sorted(written) == sorted(reference.tensors)
+    assert all(torch.equal(written[k], reference.tensors[k]) for k in written)
