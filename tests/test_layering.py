@@ -296,8 +296,8 @@ def test_every_folder_says_what_it_holds():
         if is_package and module:
             doc = ast.get_docstring(ast.parse(path.read_text()))
             assert doc and len(doc.split()) >= 10, f"{module}/__init__.py says nothing"
-            if "." not in module and module not in ("core",):
-                assert "import" in doc, f"{module}/__init__.py: what may it import?"
+            if "." not in module:
+                assert "import" in doc.lower(), f"{module}/__init__.py: what may it import?"
 
 
 def test_no_module_imports_a_higher_layer():

@@ -36,7 +36,7 @@ def non_finite_entries(tensor: torch.Tensor) -> int:
         tensor = tensor.float()
     if tensor.dtype in _MINMAX_DTYPES and type(tensor) is torch.Tensor:   # not a DTensor
         low, high = torch.aminmax(tensor)
-        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        if bool(torch.isfinite(low) & torch.isfinite(high)):       # one host sync
             return 0
     return int((~torch.isfinite(tensor)).sum())
 
