@@ -22,6 +22,26 @@ def _seed_and_fresh_dynamo():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A one-rank gloo device mesh on CPU, for DTensors in a single process (skipped where
+    torch.distributed or gloo is missing, or a process group is already up)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def minilm():
     """The real pretrained all-MiniLM-L6-v2 (BertModel), or a skip naming the missing package."""

@@ -1,18 +1,29 @@
-"""Which tensors a compiled graph's last call left behind, and whether they are untouched since.
+"""Which tensors a call left behind, and whether they are the same and untouched since.
 
-A ``VersionRecord`` holds, for a list of tensors, a weak reference to each and its in-place
-version counter (and storage pointer: ``p.data = t`` swaps the storage without a write) as
-they were after a call. ``holds(tensors)`` says whether every tensor given is the very one
-recorded in its slot and unchanged since: then nothing the record covers changed — no
-optimizer step, ``load_state_dict``, cache edit or reset — and a call may skip the host work
-that only such a change requires (``runtime.GraphRuntime``: the weights' refresh and the
-cached keys' trust check). It is one flat loop, about 0.1–0.2 µs per tensor (a weak
-reference, ``_version`` and ``data_ptr()`` read each); ``holds_args`` reads the tensors
-straight from a call's arguments, and ``reread`` takes only the new versions after a call
-that wrote the recorded tensors in place (a StaticCache, a running maximum).
+The one answer to "did these tensors change" for the runtime's weights and cached keys
+(``runtime.GraphRuntime``, ``runtime.key_norm_trust``) and for the parameters of the
+KV-cache scales (``kv_cache.weight_scales``). A ``VersionRecord`` holds, for a list of
+tensors, a weak reference to each, its in-place version counter and where its values live
+(``storage_pointer``: ``p.data = t`` swaps the storage without a write) as they were when
+recorded. It answers two questions:
 
-A tensor whose version cannot be read (created in inference mode) never holds: callers then
-take their full path every call, which is always correct.
+* ``same(tensors)``: whether they are the very tensors recorded, slot by slot — identity
+  only. A parameter replaced by another tensor (``load_state_dict(assign=True)``, a new
+  ``nn.Parameter``) breaks it; an in-place write does not (a *rebind*, not an update);
+* ``holds(tensors, slots)``: the very tensors, each with the version and storage it had
+  then: nothing the record covers changed — no optimizer step, ``load_state_dict``, cache
+  edit or reset — and the caller may skip the host work that only such a change requires
+  (the weights' refresh, the cached keys' trust check, the KV-cache bounds).
+
+``holds`` is one flat loop, about 0.1–0.2 µs per tensor (a weak reference, ``_version`` and
+``data_ptr()`` read each); ``holds_args`` reads the tensors straight from a call's
+arguments, and ``reread`` takes only the new versions after a call that wrote the recorded
+tensors in place (a StaticCache, a running maximum).
+
+A tensor whose version cannot be read (created in inference mode) never holds, nor does one
+whose storage cannot be located (``storage_pointer`` is None): callers then take their full
+path every call, which is always correct. A write through ``.data`` in place bypasses the
+version counter and is not seen.
 
     >>> w = torch.zeros(3)
     >>> record = VersionRecord()
@@ -20,17 +31,24 @@ take their full path every call, which is always correct.
     >>> record.holds([w], [0]), record.holds([torch.zeros(3)], [0])
     (True, False)
     >>> _ = w.add_(1.0)
-    >>> record.holds([w], [0])
-    False
+    >>> record.holds([w], [0]), record.same([w])
+    (False, True)
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["VersionRecord", "tensor_version"]
+__all__ = ["VersionRecord", "storage_pointer", "tensor_version"]
+
+#: where a tensor's values live: an address, the addresses of a wrapper's inner tensors, or
+#: None where neither can be read
+Pointer = Union[int, tuple, None]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensor_version(t: Any) -> int | None:
@@ -41,6 +59,33 @@ def tensor_version(t: Any) -> int | None:
         return None
 
 
+def storage_pointer(t: torch.Tensor) -> Pointer:
+    """Where ``t``'s values live: ``t.data_ptr()``, or for a wrapper subclass without storage
+    of its own (a DTensor: its ``data_ptr()`` is 0, or raises in some builds) the pointer of
+    each inner tensor it flattens to (a DTensor's local shard: one int), so a swapped local
+    shard is seen (``fully_shard``'s ``reset_sharded_param``). None for a subclass that has
+    neither: a slot holding it never holds.
+
+        >>> t = torch.zeros(2)
+        >>> storage_pointer(t) == t.data_ptr()
+        True
+    """
+    try:
+        pointer = t.data_ptr()
+    except RuntimeError:
+        pointer = None
+    if pointer or type(t) in _PLAIN:
+        return pointer
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    inner = [storage_pointer(v) for v in (getattr(t, n) for n in names)
+             if isinstance(v, torch.Tensor)]
+    if not inner or None in inner:
+        return None
+    return inner[0] if len(inner) == 1 else tuple(inner)
+
+
 def _dead() -> None:
     return None
 
@@ -49,18 +94,20 @@ _DEAD = _dead     # the reference of a slot that holds no tensor: never matches 
 
 
 class VersionRecord:
-    """Weak references, versions and storage pointers of a list of tensors after a call.
+    """Weak references, versions and storage pointers of a list of tensors.
 
     Updated in place (``update``), so that whoever keeps the record (``key_norm_trust``'s
     owners) sees the latest call; references are reused while the tensors stay the same
-    objects, so a decode loop over one cache allocates nothing per step."""
+    objects, so a decode loop over one cache allocates nothing per step. ``valid`` is False
+    until the first ``update``, after one that saw a tensor without a version or storage
+    pointer, or when a caller sets it (refresh on the next call)."""
 
     __slots__ = ("refs", "versions", "pointers", "valid", "__weakref__")
 
     def __init__(self):
         self.refs: list[weakref.ref] = []
         self.versions: list[int | None] = []
-        self.pointers: list[int] = []
+        self.pointers: list[Pointer] = []
         self.valid = False
 
     def update(self, tensors: Sequence[Any]) -> None:
@@ -73,9 +120,13 @@ class VersionRecord:
             t = tensors[i]
             if refs[i]() is not t:
                 refs[i] = weakref.ref(t) if isinstance(t, torch.Tensor) else _DEAD
-            versions[i] = tensor_version(t)
-            pointers[i] = t.data_ptr() if isinstance(t, torch.Tensor) else 0
-        self.valid = None not in versions
+            try:
+                versions[i] = t._version
+                pointers[i] = t.data_ptr() or storage_pointer(t)
+            except (AttributeError, RuntimeError):  # inference mode, no storage, no tensor
+                versions[i] = tensor_version(t)
+                pointers[i] = storage_pointer(t) if isinstance(t, torch.Tensor) else 0
+        self.valid = None not in versions and None not in pointers
 
     def reread(self) -> None:
         """After a call that may have written the recorded tensors in place (and that the
@@ -87,6 +138,18 @@ class VersionRecord:
         except (AttributeError, RuntimeError):   # a tensor died, or keeps no version
             self.valid = False
 
+    def same(self, tensors: Sequence[Any]) -> bool:
+        """Whether ``tensors`` are the very tensors recorded, slot by slot and as many:
+        identity only, whatever was written to them since (an in-place update is not a
+        rebind)."""
+        refs = self.refs
+        if len(tensors) != len(refs):
+            return False
+        for r, t in zip(refs, tensors):
+            if r() is not t:
+                return False
+        return True
+
     def holds(self, tensors: Sequence[torch.Tensor], slots: Sequence[int]) -> bool:
         """Whether ``tensors[i]`` is the tensor of slot ``slots[i]``, with the version and
         storage it had then."""
@@ -95,10 +158,12 @@ class VersionRecord:
         refs, versions, pointers = self.refs, self.versions, self.pointers
         try:
             for s, t in zip(slots, tensors):
-                if refs[s]() is not t or t._version != versions[s] or \
-                        t.data_ptr() != pointers[s]:
+                if refs[s]() is not t or t._version != versions[s] or (
+                        t.data_ptr() != pointers[s] and storage_pointer(t) != pointers[s]):
                     return False
-        except (AttributeError, RuntimeError, IndexError):
+        except RuntimeError:           # no version, or a storage only storage_pointer finds
+            return all(self._unchanged(s, t) for s, t in zip(slots, tensors))
+        except (AttributeError, IndexError):
             return False
         return True
 
@@ -110,13 +175,22 @@ class VersionRecord:
         try:
             for p, r, v, ptr in zip(positions, self.refs, self.versions, self.pointers):
                 t = args[p]
-                if r() is not t or t._version != v or t.data_ptr() != ptr:
+                if r() is not t or t._version != v or (
+                        t.data_ptr() != ptr and storage_pointer(t) != ptr):
                     return False
-        except (AttributeError, RuntimeError, IndexError):
+        except RuntimeError:
+            return all(self._unchanged(i, args[p]) for i, p in enumerate(positions))
+        except (AttributeError, IndexError):
             return False
         return True
 
     def holds_slot(self, slot: int, tensor: Any) -> bool:
-        """Whether ``tensor`` is the one of ``slot``, unchanged since."""
-        return self.valid and slot < len(self.refs) and self.refs[slot]() is tensor and \
-            tensor_version(tensor) == self.versions[slot]
+        """Whether ``tensor`` is the one of ``slot``, with the version and storage it had."""
+        return self.valid and slot < len(self.refs) and self._unchanged(slot, tensor)
+
+    def _unchanged(self, slot: int, tensor: Any) -> bool:
+        """``holds`` for one slot, reading what may raise with care (the path of tensors
+        without a version counter or storage of their own)."""
+        version, pointer = self.versions[slot], self.pointers[slot]
+        return self.refs[slot]() is tensor and version is not None and pointer is not None \
+            and tensor_version(tensor) == version and storage_pointer(tensor) == pointer

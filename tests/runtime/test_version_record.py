@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from geoscale_fx.runtime.version_record import VersionRecord, tensor_version
+from geoscale_fx.runtime.version_record import VersionRecord, storage_pointer, tensor_version
 
 
 def _recorded(*tensors) -> VersionRecord:
@@ -106,3 +106,100 @@ def test_reread_takes_the_new_versions_of_the_same_tensors_and_nothing_else():
     gc.collect()
     record.reread()
     assert not record.valid and not record.holds([running], [0])
+
+
+def test_same_asks_identity_only_holds_asks_contents_too():
+    """``same``: the very tensors, whatever was written since (an update is no rebind);
+    another object or another count is not the same."""
+    a, b = torch.zeros(3), torch.ones(2)
+    record = _recorded(a, b)
+    a.add_(1.0)
+    assert record.same([a, b]) and not record.holds([a, b], [0, 1])
+    assert not record.same([a.clone(), b]) and not record.same([a]) and not record.same([b, a])
+    p = torch.nn.Parameter(torch.zeros(3))
+    record.update([p])
+    with torch.no_grad():
+        p.data = torch.ones(3)
+    assert record.same([p]) and not record.holds([p], [0])
+    with torch.inference_mode():
+        t = torch.zeros(2)
+    record.update([t])
+    assert record.same([t]) and not record.holds([t], [0])      # no version: never holds
+
+
+def test_holds_slot_sees_a_swapped_storage_like_holds():
+    p = torch.nn.Parameter(torch.zeros(3))
+    record = _recorded(torch.zeros(1), p)
+    assert record.holds_slot(1, p) and not record.holds_slot(0, p) and not record.holds_slot(5, p)
+    with torch.no_grad():
+        p.data = torch.ones(3)
+    assert not record.holds_slot(1, p)
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass without storage whose ``data_ptr`` raises (as a DTensor's did in
+    older torch builds); its values are its inner tensor's."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def data_ptr(self):
+        raise RuntimeError("this tensor has no storage")
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _Wrapped(inner["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+class _Opaque(_Wrapped):
+    """The same, naming no inner tensor: where its values live cannot be read."""
+
+    def __tensor_flatten__(self):
+        return [], None
+
+
+def test_a_wrapper_without_storage_holds_by_its_inner_tensor():
+    w = _Wrapped(torch.zeros(3))
+    assert storage_pointer(w) == w.inner.data_ptr()
+    record = _recorded(torch.zeros(1), w)
+    assert record.valid and record.holds([w], [1]) and record.holds_slot(1, w)
+    assert _recorded(w).holds_args(("x", w), (1,))
+    torch.autograd.graph.increment_version(w)                            # an in-place write
+    assert not record.holds([w], [1]) and not record.holds_slot(1, w)
+    record.update([torch.zeros(1), w])
+    w.inner = torch.ones(3)                                              # another local shard
+    assert not record.holds([w], [1]) and not _recorded(w).holds([_Wrapped(w.inner)], [0])
+    opaque = _Opaque(torch.zeros(3))
+    assert storage_pointer(opaque) is None
+    record = _recorded(opaque)
+    assert not record.valid and not record.holds([opaque], [0]) and record.same([opaque])
+
+
+def test_a_dtensor_holds_until_written_or_its_local_shard_is_swapped(one_rank_mesh):
+    """A DTensor parameter (one-rank gloo mesh): its wrapper has no storage (``data_ptr()``
+    0); the record follows its local shard, so an unchanged one holds (the fast path) and an
+    optimizer-style in-place step or a new local shard (``fully_shard``'s reset) breaks it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 2), one_rank_mesh, [Shard(0)]))
+    assert p.data_ptr() == 0 and storage_pointer(p) == p.to_local().data_ptr()
+    record = _recorded(p)
+    assert record.holds([p], [0]) and record.holds_args((p,), (0,))
+    with torch.no_grad():
+        p.mul_(2.0)
+    assert not record.holds([p], [0])
+    record.update([p])
+    assert record.holds([p], [0])
+    p._local_tensor = torch.randn(4, 2)
+    assert not record.holds([p], [0]) and not record.holds_args((p,), (0,)) and record.same([p])

@@ -1,5 +1,6 @@
 """geoscale_fx.analysis.fx.dtensor, single process: ``HeadShard`` labels, plain tensors passing
-through, and a one-rank gloo mesh for ``local_region`` and the refusal of a partial sum."""
+through, and a one-rank gloo mesh (conftest's ``one_rank_mesh``) for ``local_region`` and the
+refusal of a partial sum."""
 from __future__ import annotations
 
 import pytest
@@ -20,20 +21,6 @@ class _Node:
     name, args, kwargs = "redistribute_1", (), {}
 
 
-@pytest.fixture
-def mesh(tmp_path):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_head_shard_labels():
     assert HeadShard((0,), (1,), 2, (2, 3), 4).label == "tp 1/2: heads 2-3 of 4"
     assert HeadShard((0,), (0,), 4, (0,), 4).label == "tp 0/4: heads 0 of 4"
@@ -51,13 +38,13 @@ def test_plain_tensors_are_no_dtensors_and_pass_through():
         replay_dtensor(_Node(), "scatter", track)
 
 
-def test_local_region_of_a_one_rank_shard_and_a_partial_sum_refused(mesh):
+def test_local_region_of_a_one_rank_shard_and_a_partial_sum_refused(one_rank_mesh):
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     w = torch.randn(8, 4)
-    sharded = DTensor.from_local(w, mesh, [Shard(0)])
+    sharded = DTensor.from_local(w, one_rank_mesh, [Shard(0)])
     assert dtensor_of(sharded) is sharded and torch.equal(to_local(sharded), w)
     assert local_region(sharded, "w") == ((0, 0), (8, 4))
-    partial = DTensor.from_local(w, mesh, [Partial()])
+    partial = DTensor.from_local(w, one_rank_mesh, [Partial()])
     with pytest.raises(Unsupported, match="`w` is a DTensor with a partial sum"):
         local_region(partial, "w")
