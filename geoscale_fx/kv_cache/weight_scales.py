@@ -9,9 +9,10 @@ values, or an MLA layer's latent) and of the reading attention's queries
 (``amax.site_amax_bounds``), per head, float64, for every input; ``LayerScales.scales``
 turns them into FP8 (or NVFP4) k/v scales. Layers no attention writes (a hybrid's
 linear-attention layers) have none. The bounds are re-evaluated from the live parameters
-whenever one changed in place or moved to a new storage; a parameter replaced by another
-tensor is found by name and the graphs are analysed again on it (never a second forward
-pass). Parameters with inf/nan are refused by name before any bound is computed.
+whenever one changed in place or moved to a new storage (``runtime.version_record``; tensors
+made in inference mode keep no version counter: every call); a parameter or buffer replaced
+by another tensor is found by name and the graphs are analysed again on it (never a second
+forward pass). Parameters with inf/nan are refused by name before any bound is computed.
 
 Used by the FP8 KV cache of ``generate`` (``geoscale_fx.kv_cache.manager``), by
 ``export_kv_scales`` and by ``attention_scales``::
@@ -39,6 +40,7 @@ from geoscale_fx.analysis.forms.cache_writes import sites_and_cache_writes
 from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.fx.graph_ops import upstream
 from geoscale_fx.core.errors import NonFiniteWeights, all_finite, non_finite_entries
+from geoscale_fx.runtime.version_record import VersionRecord
 from geoscale_fx.sites.model import CacheWrite
 
 __all__ = ["WeightKVScales"]
@@ -46,22 +48,10 @@ __all__ = ["WeightKVScales"]
 log = logging.getLogger("geoscale_fx")
 
 
-def _parameter_signature(model: nn.Module) -> tuple[tuple, tuple]:
-    """``(identities, contents)``: which tensors the model holds (parameters and buffers),
-    and whether a parameter changed (in-place version counter, storage: ``module.to`` swaps
-    ``p.data``). Buffers' contents are left out: geoscale's own state, updated by every
-    compiled call, would otherwise force a recomputation each time. A write through
-    ``p.data`` in place leaves both as they were and is not seen."""
+def _parameters_and_buffers(model: nn.Module) -> tuple[list, list]:
+    """``(parameters, parameters + buffers)`` of ``model``, in its order."""
     parameters = list(model.parameters())
-    return (tuple(id(t) for t in [*parameters, *model.buffers()]),
-            tuple((t._version, _storage(t)) for t in parameters))
-
-
-def _storage(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t.data_ptr()
-    except RuntimeError:       # wrapper subclasses (DTensor) have no storage of their own
-        return None
+    return parameters, [*parameters, *model.buffers()]
 
 
 def _tensor_names(model: nn.Module) -> dict[int, str]:
@@ -119,7 +109,11 @@ class WeightKVScales:
         self._sites: Optional[list] = None
         self._cache_layers: list[CacheLayer] = []
         self._reads: list[tuple[str, int, list[int]]] = []  # (site, graph, input positions)
-        self._signature: Optional[tuple] = None
+        #: the parameters and buffers the traced graphs read (which objects only: another
+        #: one is a rebind), and the parameters the bounds were evaluated from (versions and
+        #: storage too). Buffers' contents are left out: geoscale's own state, updated by
+        #: every compiled call, would otherwise force a recomputation each time.
+        self._bound_to, self._evaluated = VersionRecord(), VersionRecord()
         self._layers: Optional[list[LayerScales]] = None
 
     @property
@@ -139,7 +133,8 @@ class WeightKVScales:
         self._names = [{i: names[id(v)] for i, v in enumerate(g.example_inputs)
                         if id(v) in names} for g in graphs]
         self._analyze()
-        self._signature = None
+        self._bound_to.update(_parameters_and_buffers(self.model)[1])
+        self._evaluated = VersionRecord()
         log.info("geoscale: %s: %d cache layers of %d attention sites traced for k/v scales",
                  self.who, len(self._cache_layers), len(self._sites))
         return self
@@ -160,13 +155,16 @@ class WeightKVScales:
         """Per cache layer, in layer order; recomputed only if a parameter changed."""
         if self._sites is None:
             raise RuntimeError("WeightKVScales.capture(...) must run before layers()")
-        signature = _parameter_signature(self.model)
-        if self._layers is None or signature != self._signature:
-            if self._signature is not None and signature[0] != self._signature[0]:
-                self._rebind()
-            self._check_finite()
-            self._layers = self._evaluate()
-            self._signature = signature
+        parameters, tensors = _parameters_and_buffers(self.model)
+        if not self._bound_to.same(tensors):
+            self._rebind()
+            self._bound_to.update(tensors)
+        elif self._layers is not None and self._evaluated.holds(parameters,
+                                                                 range(len(parameters))):
+            return self._layers
+        self._check_finite()
+        self._layers = self._evaluate()
+        self._evaluated.update(parameters)
         return self._layers
 
     def _rebind(self) -> None:

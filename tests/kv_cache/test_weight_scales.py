@@ -78,3 +78,45 @@ def test_refusals_name_the_parameter_or_the_missing_capture():
         source.layers()
     with pytest.raises(ValueError, match="no attention found in Sequential"):
         WeightKVScales(nn.Sequential(nn.Linear(4, 4))).capture(torch.randn(2, 4))
+
+
+def test_a_swapped_storage_is_followed_a_buffer_written_in_place_is_not(traces):
+    """``p.data = t`` (what ``module.to`` does) moves a parameter to a new storage without a
+    write: followed. A buffer's contents are not tracked (geoscale's own state is written by
+    every compiled call); a buffer replaced by another tensor is a rebind, as a parameter."""
+    model = build_hf("llama-sdpa")
+    source = WeightKVScales(model).capture(_ids())
+    before = source.layers()
+    rotary = model.model.rotary_emb
+    with torch.no_grad():
+        rotary.inv_freq.mul_(1.0)
+    assert source.layers() is before
+    k_proj = model.model.layers[0].self_attn.k_proj
+    with torch.no_grad():
+        k_proj.weight.data = k_proj.weight.detach() * 2.0
+    after = source.layers()
+    torch.testing.assert_close(after[0].k_bound, 2.0 * before[0].k_bound, rtol=1e-9, atol=0)
+    assert source.layers() is after
+    rotary.inv_freq = rotary.inv_freq.clone()
+    rebound = source.layers()
+    assert rebound is not after and len(traces) == 1
+    assert all(torch.equal(a.k_bound, b.k_bound) for a, b in zip(rebound, after))
+
+
+def test_inference_mode_parameters_are_evaluated_every_call():
+    """Tensors made in inference mode keep no version counter: whether they changed cannot
+    be told, so every ``layers()`` evaluates the bounds again (never stale, never an error)."""
+    model = build_hf("llama-sdpa")
+    source = WeightKVScales(model).capture(_ids())
+    before = source.layers()
+    model.requires_grad_(False)
+    with torch.inference_mode():          # weights loaded for serving, in inference mode
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()},
+                              assign=True)
+    first = source.layers()
+    assert first is not before and source.layers() is not first
+    assert all(torch.equal(a.k_bound, b.k_bound) for a, b in zip(first, before))
+    with torch.inference_mode():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(8.0)
+    torch.testing.assert_close(source.layers()[1].k_bound, 8.0 * before[1].k_bound,
+                               rtol=1e-9, atol=0)
