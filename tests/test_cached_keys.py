@@ -163,6 +163,34 @@ def test_decode_measures_only_new_keys_and_tracks_the_true_maximum(family, kind)
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_the_runtime_record_is_laid_out_as_the_trust_says(kind):
+    """After decode steps, the decode graph's record (its ``GraphRuntime`` binding's) holds
+    the running maxima in the trust's ``layout.running`` slots and the cache's key tensors in
+    its ``stored`` slots (a DynamicCache: the keys the graph returned) or ``past`` slots (a
+    StaticCache: the placeholders it wrote in place)."""
+    model = build_hf("llama-sdpa")
+    wrapped = geoscale_fx.wrap(model, compiler=COMPILER)
+    kv = _cache(model, kind)
+    logits = _step(wrapped, kv, torch.randint(1, 128, (2, 6)), 0, kind)
+    for t in range(3):
+        logits = _step(wrapped, kv, logits[:, -1:].argmax(-1), 6 + t, kind)
+    keys = {id(layer.keys) for layer in kv.layers}
+    laid_out = []
+    for runtime in _runtimes(wrapped):
+        layout = runtime.key_trust.layout
+        for binding in [runtime._own, *runtime.bound.values()]:
+            record = binding.record
+            if not (runtime.key_trust.entries and record.valid):
+                continue
+            running = [record.refs[s]() for s in layout.running]
+            assert len(running) == len(binding.runnings) and all(
+                a is b for a, b in zip(running, binding.runnings))
+            caches = layout.stored if kind == "dynamic" else layout.past
+            laid_out.append({id(record.refs[s]()) for slots in caches for s in slots})
+    assert keys in laid_out, (keys, laid_out)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_an_edited_or_alternated_cache_is_remeasured_never_under_bounded(kind):
     model = build_hf("llama-sdpa")
     wrapped = geoscale_fx.wrap(model, compiler=COMPILER)

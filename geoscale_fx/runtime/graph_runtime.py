@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.runtime.key_norm_trust import KeyNormTrust
+from geoscale_fx.runtime.key_trust_protocol import KeyTrust
 from geoscale_fx.analysis.fx.dtensor import to_local
 from geoscale_fx.analysis.evaluate import ParamEvaluator
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds, parameter_name, upstream
@@ -60,7 +61,7 @@ class _Lazy:
 class _Binding:
     """One module's states in a graph, and what its last call left: ``weights``, a record of
     the weights the last refresh read (invalid: refresh on the next call); ``record``, of the
-    running key maxima and caches (``KeyNormTrust``'s layout)."""
+    running key maxima and caches (written by the key trust only, in its ``RecordLayout``)."""
 
     __slots__ = ("states", "tensors", "weights", "record", "runnings")
 
@@ -107,7 +108,7 @@ class GraphRuntime:
             for v in [n.meta.get("example_value")])
         self.bind = bind
         self.owner_index = _owner_index(gm, plans, self.kinds)
-        self.key_trust = KeyNormTrust(gm, plans)
+        self.key_trust: KeyTrust = KeyNormTrust(gm, plans)
         self.remeasured_caches = 0   # calls whose cached keys were measured on the host
         self.bound = WeakIdKeyDictionary()          # owner tensor → its _Binding
         self._by_id: dict[int, tuple[weakref.ref, _Binding]] = {}   # its per-call cache

@@ -19,10 +19,12 @@ that measurement before the graph runs. So the bound holds for whatever the cach
 a decode loop pays O(new tokens) per step.
 
 The runtime's fast path: when its own record holds every running maximum and every past
-cache of this call (``holds``: ``watched`` against ``check_slots``), nothing changed since its
-last call and this graph is still the owner, so neither ``before`` nor ``after`` has anything
-to do; ``recorded`` brings the record up to date after the call (without stored keys, as for
-a StaticCache, the same tensors written in place: only their versions are read again).
+cache of this call (``holds``: ``watched`` against the layout's ``next_call`` slots), nothing
+changed since its last call and this graph is still the owner, so neither ``before`` nor
+``after`` has anything to do; ``recorded`` brings the record up to date after the call
+(without stored keys, as for a StaticCache, the same tensors written in place: only their
+versions are read again). What the runtime calls, and the record's layout, are
+``runtime.key_trust_protocol``'s ``KeyTrust`` and ``RecordLayout``.
 
 A write through ``.data`` bypasses version counters and is not seen (as for the weights: see
 the README's inference section); inference-mode tensors keep no version counter, so their
@@ -43,6 +45,7 @@ from geoscale_fx.numerics.head_weights import key_head_norms
 from geoscale_fx.analysis.forms.cached_keys import whole_vector_slices
 from geoscale_fx.analysis.fx.graph_ops import op_of
 from geoscale_fx.sites.terms import Side
+from geoscale_fx.runtime.key_trust_protocol import RecordLayout
 from geoscale_fx.runtime.version_record import VersionRecord
 
 __all__ = ["KeyNormTrust"]
@@ -106,10 +109,8 @@ class _Entry:
 
 class KeyNormTrust:
     """For one compiled graph: before a call, re-measure untrusted caches; after it, own what
-    the graph wrote. Empty (and free) for graphs without incremental keys.
-
-    Record layout (``kept``, from ``offset`` in the runtime's record): the running maxima,
-    then the past caches, then the outputs that store a key, each in entry order."""
+    the graph wrote. Empty (and free) for graphs without incremental keys. A
+    ``key_trust_protocol.KeyTrust``; its record's slots are ``layout``'s."""
 
     def __init__(self, gm: GraphModule, plans: Sequence[Any]):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -128,33 +129,19 @@ class KeyNormTrust:
                                if isinstance(o, Node) and _stored_from(o, side.source.node))
                 self.entries.append(_Entry(index, name, side.observed_axes, past, stored))
         self.n_outputs = len(outputs)
-        # ``kept`` layout: the running maxima, every entry's past caches, every entry's stored
-        # keys; per entry, the slots of its caches
+        self.layout = RecordLayout.of([len(e.past) for e in self.entries],
+                                      [len(e.outputs) for e in self.entries])
+        # graph-input positions of the past caches, graph-output positions of the stored
+        # keys: entry after entry, as the layout's slots
         self._past = [i for e in self.entries for i, _ in e.past]
         self._stored = [i for e in self.entries for i in e.outputs]
-        n_run, past_at, stored_at = len(self.entries), len(self.entries), \
-            len(self.entries) + len(self._past)
-        self.cache_slots: list[tuple[int, ...]] = []
-        self.check_slots: Optional[list[int]] = list(range(n_run))
-        for entry in self.entries:
-            n_past, n_out = len(entry.past), len(entry.outputs)
-            past = list(range(past_at, past_at + n_past))
-            stored = list(range(stored_at, stored_at + n_out))
-            self.cache_slots.append(tuple(past + stored))
-            # next call's past caches are this call's stored keys (a DynamicCache's cat), or
-            # the same past tensors written in place (a StaticCache)
-            if self.check_slots is not None and (n_out == 0 or n_out == n_past):
-                self.check_slots += stored if n_out else past
-            else:
-                self.check_slots = None         # no one-to-one continuation: no fast path
-            past_at, stored_at = past_at + n_past, stored_at + n_out
         self._record = VersionRecord()          # for callers that keep none (``after``)
 
     def runnings(self, states: Sequence[Any]) -> list[torch.Tensor]:
         return [getattr(states[e.site], e.state) for e in self.entries]
 
     def watched(self, args: Sequence[Any], runnings: Sequence[torch.Tensor]) -> list:
-        """Before a call: the running maxima and the past caches (``check_slots`` order)."""
+        """Before a call: the running maxima and the past caches (``next_call`` order)."""
         return [*runnings, *[args[i] for i in self._past]]
 
     def holds(self, args: Sequence[Any], runnings: Sequence[torch.Tensor],
@@ -163,21 +150,21 @@ class KeyNormTrust:
         maximum and every past cache of this call, unchanged (true when there are none)."""
         if not self.entries:
             return True
-        return self.check_slots is not None and \
-            record.holds(self.watched(args, runnings), self.check_slots)
+        slots = self.layout.next_call
+        return slots is not None and record.holds(self.watched(args, runnings), slots)
 
     def recorded(self, args: Sequence[Any], out: Any, runnings: Sequence[torch.Tensor],
                  record: VersionRecord) -> None:
         """After a call that ``holds`` let through: ``record`` as ``kept`` would give it.
         Without stored keys the kept tensors are the watched ones, in the record's order
-        (``check_slots`` is then every slot): their versions are read again, nothing else."""
+        (``next_call`` is then every slot): their versions are read again, nothing else."""
         if self._stored:
             record.update(self.kept(args, out, runnings))
         elif self.entries:
             record.reread()
 
     def kept(self, args: Sequence[Any], out: Any, runnings: Sequence[torch.Tensor]) -> list:
-        """After a call: the running maxima, the past caches and the stored keys."""
+        """After a call: the running maxima, the past caches and the stored keys (``layout``)."""
         if not self._stored:
             return [*runnings, *[args[i] for i in self._past]]
         outputs = out if isinstance(out, (tuple, list)) else [out]
@@ -207,19 +194,20 @@ class KeyNormTrust:
         return measured
 
     def after(self, args: Sequence[Any], out: Any, states: Sequence[Any],
-              record: Optional[VersionRecord] = None, offset: int = 0) -> None:
+              record: Optional[VersionRecord] = None) -> None:
         """Own the caches this call read and wrote, with the running maxima as they are:
-        ``record`` (already updated by the caller with ``kept`` from ``offset``), or a
-        record of this object's own."""
+        ``record`` (already updated by the caller with ``kept``), or a record of this
+        object's own."""
         if not self.entries:
             return
         runnings = self.runnings(states)
         if record is None:
-            record, offset = self._record, 0
+            record = self._record
             record.update(self.kept(args, out, runnings))
         ref = weakref.ref(record)
-        for index, (running, slots) in enumerate(zip(runnings, self.cache_slots)):
-            owner = _Owner(ref, offset + index, tuple(offset + s for s in slots))
+        layout = self.layout
+        for index, running in enumerate(runnings):
+            owner = _Owner(ref, layout.running[index], layout.caches(index))
             key = id(running)
             if key not in _OWNERS:     # the entry leaves with its running maximum
                 weakref.finalize(running, _OWNERS.pop, key, None)

@@ -118,7 +118,7 @@ def _graph_call(trust, states, state, args, record, fast=False):
 
 def test_the_fast_check_holds_until_the_cache_or_the_maximum_changes():
     trust, states, state = _static_trust()
-    assert trust.entries[0].outputs == () and trust.check_slots == [0, 1]
+    assert trust.entries[0].outputs == () and trust.layout.next_call == (0, 1)
     record, past, new = VersionRecord(), _cache(), _cache(seed=1)
     args = [past, new]
     _graph_call(trust, states, state, args, record)
