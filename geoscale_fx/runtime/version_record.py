@@ -158,14 +158,18 @@ class VersionRecord:
         refs, versions, pointers = self.refs, self.versions, self.pointers
         try:
             for s, t in zip(slots, tensors):
-                if refs[s]() is not t or t._version != versions[s] or (
-                        t.data_ptr() != pointers[s] and storage_pointer(t) != pointers[s]):
-                    return False
-        except RuntimeError:           # no version, or a storage only storage_pointer finds
-            return all(self._unchanged(s, t) for s, t in zip(slots, tensors))
+                if refs[s]() is not t or t._version != versions[s] or \
+                        t.data_ptr() != pointers[s]:
+                    break
+            else:
+                return True
         except (AttributeError, IndexError):
             return False
-        return True
+        except RuntimeError:
+            pass
+        # something differs or could not be read: the careful answer (a wrapper subclass's
+        # storage is its inner tensors'; a tensor without a version never holds)
+        return all(self._unchanged(s, t) for s, t in zip(slots, tensors))
 
     def holds_args(self, args: Sequence[Any], positions: Sequence[int]) -> bool:
         """``holds`` for ``args[positions[i]]`` in slot ``i``, every slot: the per-call check
@@ -175,14 +179,15 @@ class VersionRecord:
         try:
             for p, r, v, ptr in zip(positions, self.refs, self.versions, self.pointers):
                 t = args[p]
-                if r() is not t or t._version != v or (
-                        t.data_ptr() != ptr and storage_pointer(t) != ptr):
-                    return False
-        except RuntimeError:
-            return all(self._unchanged(i, args[p]) for i, p in enumerate(positions))
+                if r() is not t or t._version != v or t.data_ptr() != ptr:
+                    break
+            else:
+                return True
         except (AttributeError, IndexError):
             return False
-        return True
+        except RuntimeError:
+            pass
+        return all(self._unchanged(i, args[p]) for i, p in enumerate(positions))
 
     def holds_slot(self, slot: int, tensor: Any) -> bool:
         """Whether ``tensor`` is the one of ``slot``, with the version and storage it had."""
@@ -190,7 +195,9 @@ class VersionRecord:
 
     def _unchanged(self, slot: int, tensor: Any) -> bool:
         """``holds`` for one slot, reading what may raise with care (the path of tensors
-        without a version counter or storage of their own)."""
+        without a version counter or storage of their own, and of any difference)."""
+        if slot >= len(self.refs):
+            return False
         version, pointer = self.versions[slot], self.pointers[slot]
         return self.refs[slot]() is tensor and version is not None and pointer is not None \
             and tensor_version(tensor) == version and storage_pointer(tensor) == pointer
