@@ -228,3 +228,55 @@ def test_a_graph_serving_several_blocks_checks_each_blocks_weights():
     del model.transformer.h[2]
     gc.collect()
     assert len(runtime._by_id) == 2
+
+
+def _tensor_parallel_model(mesh) -> GPT:
+    """The nanoGPT of ``_model`` with separate q/k/v, colwise on ``mesh`` (DTensor weights)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64,
+                          qkv="separate", bias=False)).eval()
+    plan = {"attn.c_q": ColwiseParallel(), "attn.c_k": ColwiseParallel(),
+            "attn.c_v": ColwiseParallel(), "attn.c_proj": RowwiseParallel()}
+    for block in model.transformer.h:
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+def test_tensor_parallel_weights_are_followed_through_their_local_shards(one_rank_mesh,
+                                                                         tmp_path):
+    """DTensor weights (tensor parallelism on one rank): unchanged, the calls take the fast
+    path. ``dcp.load`` writes into the local shards (the DTensor's own version counter stays
+    as it was) and a new local shard may be put in place (``fully_shard``'s reset): each
+    makes the next call refresh the bound, which follows the weights (σ is linear in W_k)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _tensor_parallel_model(one_rank_mesh)
+    wrapped = geoscale_fx.wrap(model, estimator="exact", compiler="eager")
+    k = model.transformer.h[1].attn.c_k.weight
+    assert k.data_ptr() == 0                       # a DTensor: no storage of its own
+    dcp.save({"k": k}, checkpoint_id=tmp_path / "k")
+    with torch.no_grad():
+        wrapped(_ids())
+        wrapped(_ids())
+        assert _counts(wrapped) == (1, 1, 1)
+        before = _bounds(wrapped)
+        k.mul_(2.0)
+        wrapped(_ids())
+        assert _counts(wrapped) == (2, 1, 1)
+        version = k._version
+        dcp.load({"k": k}, checkpoint_id=tmp_path / "k")      # the saved W_k, back in place
+        assert k._version == version
+        wrapped(_ids())
+        assert _counts(wrapped) == (3, 1, 1)
+        torch.testing.assert_close(_bounds(wrapped), before, rtol=1e-6, atol=0)
+        k._local_tensor = k._local_tensor * 4.0
+        wrapped(_ids())
+        wrapped(_ids())
+        assert _counts(wrapped) == (4, 2, 2)
+    after = _bounds(wrapped)
+    torch.testing.assert_close(after[1], 4.0 * before[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(after[0], before[0], rtol=1e-6, atol=0)

@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from geoscale_fx.runtime.version_record import VersionRecord, storage_pointer, tensor_version
+from geoscale_fx.runtime.version_record import VersionRecord, storage_key, tensor_version
 
 
 def _recorded(*tensors) -> VersionRecord:
@@ -171,7 +171,7 @@ class _Opaque(_Wrapped):
 
 def test_a_wrapper_without_storage_holds_by_its_inner_tensor():
     w = _Wrapped(torch.zeros(3))
-    assert storage_pointer(w) == w.inner.data_ptr()
+    assert storage_key(w) == ((w.inner.data_ptr(), 0),)       # (pointer, version) per inner
     record = _recorded(torch.zeros(1), w)
     assert record.valid and record.holds([w], [1]) and record.holds_slot(1, w)
     assert _recorded(w).holds_args(("x", w), (1,))
@@ -180,8 +180,11 @@ def test_a_wrapper_without_storage_holds_by_its_inner_tensor():
     record.update([torch.zeros(1), w])
     w.inner = torch.ones(3)                                              # another local shard
     assert not record.holds([w], [1]) and not _recorded(w).holds([_Wrapped(w.inner)], [0])
+    record.update([torch.zeros(1), w])
+    w.inner.add_(1.0)                              # a write past the wrapper's own counter
+    assert not record.holds([w], [1])
     opaque = _Opaque(torch.zeros(3))
-    assert storage_pointer(opaque) is None
+    assert storage_key(opaque) is None
     record = _recorded(opaque)
     assert not record.valid and not record.holds([opaque], [0]) and record.same([opaque])
 
@@ -189,11 +192,12 @@ def test_a_wrapper_without_storage_holds_by_its_inner_tensor():
 def test_a_dtensor_holds_until_written_or_its_local_shard_is_swapped(one_rank_mesh):
     """A DTensor parameter (one-rank gloo mesh): its wrapper has no storage (``data_ptr()``
     0); the record follows its local shard, so an unchanged one holds (the fast path) and an
-    optimizer-style in-place step or a new local shard (``fully_shard``'s reset) breaks it."""
+    optimizer-style in-place step, a write into the shard (``dcp.load``: the wrapper's
+    version counter stays) or a new local shard (``fully_shard``'s reset) breaks it."""
     from torch.distributed.tensor import DTensor, Shard
 
     p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 2), one_rank_mesh, [Shard(0)]))
-    assert p.data_ptr() == 0 and storage_pointer(p) == p.to_local().data_ptr()
+    assert p.data_ptr() == 0 and storage_key(p) == ((p.to_local().data_ptr(), 0),)
     record = _recorded(p)
     assert record.holds([p], [0]) and record.holds_args((p,), (0,))
     with torch.no_grad():
@@ -201,5 +205,10 @@ def test_a_dtensor_holds_until_written_or_its_local_shard_is_swapped(one_rank_me
     assert not record.holds([p], [0])
     record.update([p])
     assert record.holds([p], [0])
+    version = p._version
+    with torch.no_grad():
+        p.to_local().mul_(2.0)
+    assert p._version == version and not record.holds([p], [0])
+    record.update([p])
     p._local_tensor = torch.randn(4, 2)
     assert not record.holds([p], [0]) and not record.holds_args((p,), (0,)) and record.same([p])
