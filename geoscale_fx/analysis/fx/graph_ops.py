@@ -134,19 +134,20 @@ def matmul_operands(node: Node) -> tuple[Any, Any]:
     return tuple(node.args[:2])
 
 
-def upstream(start: Iterable[Node], follow: Callable[[Node], bool] | None = None
-             ) -> Iterator[Node]:
+def upstream(start: Iterable[Node], follow: Callable[[Node], bool] | None = None,
+             depth: int | None = None) -> Iterator[Node]:
     """Every node reachable backwards from ``start`` (depth first, each once); the inputs of
-    a node are visited only if ``follow(node)`` (default: always)."""
-    stack, seen = list(start), set()
+    a node are visited only if ``follow(node)`` (default: always), and only nodes at most
+    ``depth`` inputs away from ``start`` (default: any)."""
+    stack, seen = [(node, 0) for node in start], set()
     while stack:
-        node = stack.pop()
-        if node in seen:
+        node, d = stack.pop()
+        if node in seen or (depth is not None and d > depth):
             continue
         seen.add(node)
         yield node
         if follow is None or follow(node):
-            stack.extend(node.all_input_nodes)
+            stack.extend((n, d + 1) for n in node.all_input_nodes)
 
 
 def arg(node: Node, index: int, name: str, default: Any = None) -> Any:

@@ -47,6 +47,7 @@ def test_arg_upstream_and_scalar_constants():
     assert [n.name for n in upstream([add])] == ["add", "x", "softmax", "mul"]
     assert [n.name for n in upstream([add], follow=lambda n: n.name != "softmax")] == [
         "add", "x", "softmax"]
+    assert [n.name for n in upstream([add], depth=1)] == ["add", "x", "softmax"]   # mul: 2
     assert scalar_constant(mul.args[1]) == 0.5 and scalar_constant(True) is None
     assert scalar_constant(mul) is None                 # a tensor, not a number
 
