@@ -19,9 +19,9 @@ import torch
 
 from geoscale_fx.numerics import relative_rope_bound
 from geoscale_fx.core import bounds, spectral
-from geoscale_fx.numerics.head_weights import Resolve, side_heads, side_radius, site_term_weights
+from geoscale_fx.numerics.head_weights import Resolve, site_term_weights
 from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
-from geoscale_fx.sites.terms import HeadWeights, Modifier, Side, Term
+from geoscale_fx.sites.terms import HeadWeights, Modifier, Term
 
 __all__ = ["sigma_bound", "norm_product_bound", "term_logit_bound", "apply_modifiers",
            "site_logit_bound"]
@@ -92,7 +92,8 @@ def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
 
 def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
                     resolve: Optional[Resolve] = None) -> torch.Tensor:
-    """Push a bound on ``|Σ_t S_t|`` through the ops before the softmax (graph order).
+    """Push a bound on ``|Σ_t S_t|`` through the ops before the softmax (graph order): each
+    modifier's ``transform`` (its kind's module in ``geoscale_fx.analysis.modifiers``), e.g.
 
     * mask, position bias: applied after the quantization, so they leave the bound as is —
       unless a softcap follows, which then sees ``S + bias`` (unbounded) and caps it;
@@ -100,29 +101,9 @@ def apply_modifiers(bound: torch.Tensor, modifiers: Sequence[Modifier],
     * sink: the softmax also receives the sink logits: ``max(bound, max|sink|)`` — for a
       sink computed from the activations, ``max_f ρ‖A_f‖ + |c_f|`` of its ``Side``.
     """
-    kinds = [m.kind for m in modifiers]
     for i, modifier in enumerate(modifiers):
-        if modifier.kind in ("mask", "position_bias") and "softcap" in kinds[i + 1:]:
-            bound = torch.full_like(bound, float("inf"))
-        elif modifier.kind == "softcap":
-            bound = torch.clamp(bound, max=abs(modifier.value))
-        elif modifier.kind == "sink" and modifier.side is not None:
-            bound = torch.maximum(bound, _projected_sink_bound(modifier.side, resolve)
-                                  .to(device=bound.device, dtype=bound.dtype))
-        elif modifier.kind == "sink":
-            sink = resolve(modifier.param).detach().abs().amax().to(bound.dtype)
-            bound = torch.maximum(bound, sink.to(bound.device))
+        bound = modifier.transform(bound, modifiers[i + 1:], resolve)
     return bound
-
-
-def _projected_sink_bound(side: Side, resolve: Resolve) -> torch.Tensor:
-    """``max_f ρ‖A_f‖ + |c_f|`` (float64): every sink logit ``A_fᵀx̂ + c_f`` with ``‖x̂‖ ≤ ρ``."""
-    a, c = side_heads(side, resolve)                                 # (F, d, 1), (F, 1)
-    rho = side_radius(side, resolve)
-    bound = rho * torch.linalg.vector_norm(a.detach().double(), dim=(-2, -1))
-    if c is not None:
-        bound = bound + c.detach().double().abs().reshape(-1)
-    return bound.amax()
 
 
 def site_logit_bound(site: AttentionSite, rope_bound: Optional[str] = None,

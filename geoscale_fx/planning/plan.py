@@ -143,7 +143,7 @@ def qkv_fallback_reason(site: AttentionSite) -> str:
                 "cannot bound them), and fp8_qkv needs descales predicted from the weights")
     if site.value is None and not site.cached_keys:   # cached values: OperandScaling.reads
         return f"the values could not be traced to their projection ({site.value_reason})"
-    others = sorted({m.kind for m in site.modifiers if m.kind != "mask"})
+    others = sorted({m.kind for m in site.modifiers if not m.fp8_qkv})
     if others:
         return f"score modifiers {others} before the softmax"
     return ""

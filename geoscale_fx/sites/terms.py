@@ -19,22 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 
 from geoscale_fx.core.parameter_radius import radius_nodes
 
-__all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights", "MODIFIER_KINDS"]
-
-#: What may happen to the summed logits before the softmax (in graph order):
-#: "mask" (additive / boolean / causal) and "position_bias" (an additive bias such as ALiBi,
-#: ``baddbmm``'s β·bias) are applied after the quantization and never widen its range
-#: (before a softcap they make the capped value's bound just ``c``);
-#: "softcap" (``c · tanh(S / c)``: the softmax input is bounded by ``c``);
-#: "sink" (a logit per head joined to the scores — a learned parameter, or a projection of a
-#: bounded input: the bound covers ``|sink|``).
-MODIFIER_KINDS = ("mask", "position_bias", "softcap", "sink")
+__all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights"]
 
 
 @dataclass(frozen=True)
@@ -230,14 +221,36 @@ class Term:
 
 @dataclass(frozen=True)
 class Modifier:
-    """An op between the summed logits and the softmax (``MODIFIER_KINDS``)."""
-    kind: str
+    """An op between the summed logits and the softmax, as the site holds it.
+
+    Each kind is a subclass (``geoscale_fx.analysis.modifiers``: "mask", "position_bias",
+    "softcap", "sink", in graph order on the site) that says how it changes the bound on
+    what the softmax receives (``transform``) and whether the FP8 q/k/v kernel can take it
+    (``fp8_qkv``); the numerics and planning ask the object, never its ``kind``.
+    """
+    #: the kind's name (counters ``modifier_<kind>``, ``AttentionSite.modifier(kind)``)
+    kind: ClassVar[str] = ""
+    #: ``lowering="fp8_qkv"`` can take it: the FP8 q/k/v kernel applies it itself (else the
+    #: site keeps a logit lowering, ``plan.qkv_fallback_reason`` naming the kind)
+    fp8_qkv: ClassVar[bool] = False
+    #: it bounds its output whatever it receives (a softcap ``c·tanh(S/c)``): an op before
+    #: it is inside the cap
+    caps: ClassVar[bool] = False
+
     node: str
     value: float = float("nan")      # softcap: c; position_bias: β
     param: Optional[str] = None      # sink: the node holding the sink logits (parameters)
     #: a sink computed from the activations: a projection of a bounded source, one width-1
     #: head per output feature, ``|sink_f| ≤ ρ‖A_f‖ + |c_f|`` (``analysis.sides.sink_bound``)
     side: Optional[Side] = None
+
+    def transform(self, bound: torch.Tensor, later: Sequence["Modifier"],
+                  resolve: Optional[Callable[[str], torch.Tensor]]) -> torch.Tensor:
+        """The bound on what leaves the op, from ``bound`` on what enters it, ``(n_q,)`` or
+        ``(1,)`` float64; ``later``: the modifiers after it (graph order); ``resolve``: a
+        graph node's value (traceable: the backend runs it inside the compiled graph)."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.kind or 'no kind'}) does "
+                                  "not say how it transforms the bound")
 
 
 @dataclass(frozen=True)

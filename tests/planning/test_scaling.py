@@ -8,6 +8,10 @@ import torch
 
 import geoscale_fx
 import models_zoo
+from geoscale_fx.analysis.modifiers.mask import Mask
+from geoscale_fx.analysis.modifiers.position_bias import PositionBias
+from geoscale_fx.analysis.modifiers.sink import Sink
+from geoscale_fx.analysis.modifiers.softcap import Softcap
 from geoscale_fx.core import bounds
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.numerics.estimators import (
@@ -18,7 +22,7 @@ from geoscale_fx.planning.scaling import (
     CurrentScaling, DelayedScaling, GeometryScaling, NoScaling, make_policy,
 )
 from geoscale_fx.sites.model import AttentionSite
-from geoscale_fx.sites.terms import HeadWeights, Modifier, Rotary, Side, Source, Term
+from geoscale_fx.sites.terms import HeadWeights, Rotary, Side, Source, Term
 
 D, DH, NQ, NKV = 24, 6, 4, 2
 
@@ -137,19 +141,19 @@ def test_a_two_term_site_is_bounded_by_the_sum_of_its_terms():
 
 def test_softcap_modifier_caps_the_bound():
     bound = torch.tensor([3.0, 80.0], dtype=torch.float64)
-    capped = apply_modifiers(bound, [Modifier("softcap", "c", 50.0), Modifier("mask", "m")])
+    capped = apply_modifiers(bound, [Softcap("c", 50.0), Mask("m")])
     assert capped.tolist() == [3.0, 50.0]
-    assert apply_modifiers(bound, [Modifier("mask", "m")]).tolist() == [3.0, 80.0]
+    assert apply_modifiers(bound, [Mask("m")]).tolist() == [3.0, 80.0]
     # a mask or position bias *before* the cap is inside it: only c bounds c·tanh(S + bias)
-    for kind in ("mask", "position_bias"):
-        inside = apply_modifiers(bound, [Modifier(kind, "m"), Modifier("softcap", "c", 50.0)])
+    for inner in (Mask, PositionBias):
+        inside = apply_modifiers(bound, [inner("m"), Softcap("c", 50.0)])
         assert inside.tolist() == [50.0, 50.0]
 
 
 def test_sink_modifier_raises_the_bound_to_the_largest_sink():
     bound = torch.tensor([3.0, 80.0], dtype=torch.float64)
     sinks = {"sinks": torch.tensor([-10.0, 2.0, 0.5])}
-    out = apply_modifiers(bound, [Modifier("sink", "s", param="sinks")], sinks.__getitem__)
+    out = apply_modifiers(bound, [Sink("s", param="sinks")], sinks.__getitem__)
     assert out.tolist() == [10.0, 80.0]
 
 

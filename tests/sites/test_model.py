@@ -5,8 +5,9 @@ import math
 
 import pytest
 
+from geoscale_fx.analysis.modifiers.sink import Sink
 from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
-from geoscale_fx.sites.terms import MODIFIER_KINDS, Modifier, Rotary, Side, Source, Term
+from geoscale_fx.sites.terms import Modifier, Rotary, Side, Source, Term
 
 
 def _rotary(factor: float) -> Rotary:
@@ -52,7 +53,7 @@ def test_node_and_parameter_names_are_collected_once_in_order():
     k = _side("wk", ops=(("mul", "gain"),), weight_param="attn.k.weight")
     site = AttentionSite(name="attn", index=0, kind="sdpa", node="sdpa", supported=True,
                          terms=(Term(q, k),),
-                         modifiers=(Modifier("sink", "cat", param="sinks"),),
+                         modifiers=(Sink("cat", param="sinks"),),
                          value=_side("wv", weight_param="attn.v.weight"))
     assert q.node_names == ("wq", "lora_a", "lora_b", "bq", "gain")
     assert site.weight_nodes == ("wq", "lora_a", "lora_b", "bq", "gain", "wk", "sinks")
@@ -61,6 +62,15 @@ def test_node_and_parameter_names_are_collected_once_in_order():
                                 "attn.q.lora_b", "attn.k.weight")
     assert site.parameter_nodes == site.weight_nodes            # no observed keys
     assert site.modifier("sink").param == "sinks" and site.modifier("softcap") is None
+
+
+def test_a_modifier_without_a_kind_refuses_to_transform_a_bound():
+    """The base holds the data; a kind (a subclass) says how it transforms the bound."""
+    bare = Modifier("add")
+    assert (bare.kind, bare.fp8_qkv, bare.caps) == ("", False, False)
+    with pytest.raises(NotImplementedError, match="Modifier .no kind. does not say"):
+        bare.transform(None, (), None)
+    assert (Sink.kind, Sink("cat").param, Sink("cat") == Modifier("cat")) == ("sink", None, False)
 
 
 def test_observed_keys_are_not_parameter_nodes():
@@ -85,7 +95,6 @@ def test_certified_follows_support_and_rope_bound():
     assert site.rope_bound == "norm_product"                     # frozen: a new site
     assert not AttentionSite(name="a", index=0, kind="sdpa", node="n").certified
     assert ROPE_BOUNDS == ("norm_product", "relative", "interaction")
-    assert set(MODIFIER_KINDS) == {"mask", "position_bias", "softcap", "sink"}
 
 
 def test_refusals_name_the_site_and_the_reason():

@@ -3,7 +3,8 @@
 ``Candidate`` is read-only and complete when ``find_sites`` returns it: the operands and
 their layout, the softmax scale (the product of the scalar factors on the scores), the
 causal / mask / dropout / GQA flags, the graph nodes by role, the score modifiers in graph
-order, and — for a softmax over ``QKᵀ`` that is not in the normal form — why (``failure``).
+order (``analysis.modifiers.draft.ModifierDraft``), and — for a softmax over ``QKᵀ`` that
+is not in the normal form — why (``failure``).
 ``CandidateDraft`` is the mutable form the walk from a softmax fills in before freezing it.
 
 Example::
@@ -15,9 +16,12 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from torch.fx import Node
+
+if TYPE_CHECKING:
+    from geoscale_fx.analysis.modifiers.draft import ModifierDraft
 
 __all__ = ["Candidate", "CandidateDraft"]
 
@@ -43,7 +47,7 @@ class Candidate:
     dropout_p: float = 0.0
     gqa: bool = False
     roles: Mapping[str, Node] = field(default_factory=dict)
-    modifiers: tuple = ()               # (kind, node, value), in graph order
+    modifiers: tuple[ModifierDraft, ...] = ()   # in graph order
     failure: str = ""                   # why a softmax over QKᵀ is not in the normal form
 
     def __post_init__(self):

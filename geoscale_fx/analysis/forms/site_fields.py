@@ -2,9 +2,10 @@
 
 ``softmax_scale = s · gain`` (``s``: the score scale read off the graph; ``gain``: scalar
 factors on the operands, ``Side.operand_gain``), the query/key lengths, the terms of the
-logits, the score modifiers in graph order (``site_terms.MODIFIER_KINDS``) and the query head
-of each score slice (``head_mapping.score_head_period``). A softmax scale that is not a
-compile-time constant is refused naming the attention node.
+logits, the score modifiers in graph order (each draft's ``site_modifier``,
+``analysis.modifiers``) and the query head of each score slice
+(``head_mapping.score_head_period``). A softmax scale that is not a compile-time constant is
+refused naming the attention node.
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from geoscale_fx.analysis.forms.candidate import Candidate
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds
 from geoscale_fx.analysis.sides.head_mapping import score_head_period
 from geoscale_fx.analysis.index.index_track import Unsupported
-from geoscale_fx.analysis.sides.sink_bound import sink_side
-from geoscale_fx.sites.terms import Modifier, Term
+from geoscale_fx.sites.terms import Term
 
 __all__ = ["site_fields"]
 
@@ -34,18 +34,6 @@ def site_fields(cand: Candidate, terms: list[Term], gain, q_len, kv_len, head_of
         softmax_scale=cand.scale * gain, score_scale=cand.scale, is_causal=cand.is_causal,
         has_mask=cand.has_mask, dropout_p=cand.dropout_p, q_len=q_len, kv_len=kv_len,
         terms=tuple(terms),
-        modifiers=tuple(_modifier(cand, kind, node, value, kinds)
-                        for kind, node, value in cand.modifiers),
+        modifiers=tuple(draft.site_modifier(cand, kinds) for draft in cand.modifiers),
         score_heads=score_heads, score_lead=score_lead)
 
-
-def _modifier(cand: Candidate, kind: str, node, value, kinds) -> Modifier:
-    """A sink is a parameter (placeholder) or a projection of a bounded input."""
-    if kind != "sink":
-        return Modifier(kind, node.name, value)
-    if node.op == "placeholder":
-        return Modifier(kind, node.name, value, param=node.name)
-    if kinds is None:
-        raise Unsupported(f"`{cand.node.name}`: the sink logits `{node.name}` are computed "
-                          "from the activations, which this attention form does not bound")
-    return Modifier(kind, node.name, value, side=sink_side(node, kinds))

@@ -9,7 +9,7 @@ value-bounded source, ``operand_sides.input_source``), so
     |sink_f| ≤ ρ·‖g ⊙ w_f‖ + |w_fᵀβ + b_f|          (Cauchy–Schwarz)
 
 which is a ``Side`` with one "head" of width 1 per output feature: ``‖A_f‖₂ = ‖g ⊙ w_f‖``,
-``c_f = w_fᵀβ + b_f`` (``logit_bounds.apply_modifiers`` takes the maximum over ``f``, so
+``c_f = w_fᵀβ + b_f`` (``analysis.modifiers.sink`` bounds the maximum over ``f``, so
 every feature that can reach the sink column is covered whatever the views between). A sink
 that is not such a projection is refused naming its node.
 """

@@ -7,6 +7,10 @@ import torch
 
 from geoscale_fx.analysis.index.index_track import Unsupported
 from geoscale_fx.analysis.forms.site_fields import site_fields
+from geoscale_fx.analysis.modifiers.draft import ModifierDraft
+from geoscale_fx.analysis.modifiers.mask import Mask
+from geoscale_fx.analysis.modifiers.sink import Sink, SinkDraft
+from geoscale_fx.analysis.modifiers.softcap import Softcap
 from geoscale_fx.sites.terms import Modifier
 
 
@@ -25,8 +29,8 @@ def _term(n_q=4, n_kv=2, d_h=8):
 
 
 def test_fields_carry_scale_times_gain_heads_and_modifiers_in_order():
-    mods = (("mask", _node("add"), float("nan")), ("sink", _node("sinks", "placeholder"), float("nan")),
-            ("softcap", _node("mul"), 30.0))
+    mods = (ModifierDraft(Mask, _node("add")), SinkDraft(Sink, _node("sinks", "placeholder")),
+            ModifierDraft(Softcap, _node("mul"), 30.0))
     term = _term()
     fields = site_fields(_cand(modifiers=mods), [term], 2.0, 5, 7, torch.arange(4).repeat(2, 1))
     assert fields["softmax_scale"] == pytest.approx(0.5) and fields["score_scale"] == 0.25
@@ -36,6 +40,7 @@ def test_fields_carry_scale_times_gain_heads_and_modifiers_in_order():
     assert fields["score_heads"] == (0, 1, 2, 3) and fields["score_lead"] == ()
     kinds = [(m.kind, m.node, m.param) for m in fields["modifiers"]]
     assert kinds == [("mask", "add", None), ("sink", "sinks", "sinks"), ("softcap", "mul", None)]
+    assert [type(m) for m in fields["modifiers"]] == [Mask, Sink, Softcap]
     assert isinstance(fields["modifiers"][2], Modifier) and fields["modifiers"][2].value == 30.0
 
 
@@ -52,7 +57,7 @@ def test_a_scale_that_is_not_a_constant_is_refused(scale):
 
 
 def test_a_sink_computed_without_the_graph_kinds_is_refused():
-    mods = (("sink", _node("sink_proj"), float("nan")),)
+    mods = (SinkDraft(Sink, _node("sink_proj")),)
     with pytest.raises(Unsupported, match="sink logits `sink_proj` are computed from the "
                                           "activations"):
         site_fields(_cand(modifiers=mods), [_term()], 1.0, 1, 1, torch.arange(4))
