@@ -7,8 +7,9 @@ the normalized input x̂ is recomputed from the normalization's *input* with tor
 analysis; ``ascend_inputs_embeds`` pushes the inputs against a bound.
 
 Shared with them: ``assert_none_scaling_equals_eager`` (the converted model under
-``scaling="none"`` against eager), ``analysed_site`` (the one site of a model) and
-``Captured`` (the provenance passes on a captured graph's outputs).
+``scaling="none"`` against eager), ``audited_record`` (the record of one audited call),
+``analysed_site`` (the one site of a model) and ``Captured`` (the provenance passes on a
+captured graph's outputs).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Interpreter, Node
 
 import geoscale_fx
@@ -62,6 +64,18 @@ def assert_none_scaling_equals_eager(model, inputs, convert=geoscale_fx.wrap, *,
         actual = run(converted, inputs)
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     return converted, actual
+
+
+def audited_record(model, inputs, compiler: str = "aot_eager"):
+    """The record of the one site of ``wrap(model, audit=True)`` (geometry scaling) after one
+    call without grad, on a fresh Dynamo cache with ``counters`` cleared first."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        wrapped = geoscale_fx.wrap(model, compiler=compiler, audit=True)
+        _call(wrapped, inputs)
+    (record,) = wrapped.geoscale.records.values()
+    return record
 
 
 def analysed_site(model, *args, **kwargs):

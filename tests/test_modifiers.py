@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 import geoscale_fx
 from geoscale_fx.numerics.head_weights import site_term_weights
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
-from tests.analysis_checks import assert_none_scaling_equals_eager
+from tests.analysis_checks import assert_none_scaling_equals_eager, audited_record
 
 
 class Softcapped(torch.nn.Module):
@@ -156,12 +156,7 @@ def _sink_site_audited(model, x):
     """``scaling="none"`` equals eager; the geometry audit of one call sees one sink modifier
     and no overflow. Returns the site's record."""
     assert_none_scaling_equals_eager(model, x, compiler="aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
-    with torch.no_grad():
-        fp8 = geoscale_fx.wrap(model, compiler="aot_eager", audit=True)
-        fp8(x)
-    record, = fp8.geoscale.records.values()
+    record = audited_record(model, x)
     assert counters["geoscale"]["modifier_sink"] == 1
     assert record.state.overflow_steps.item() == 0
     return record
