@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from geoscale_fx.analysis.modifiers.mask import Mask
+from geoscale_fx.analysis.modifiers.position_bias import PositionBias
+from geoscale_fx.analysis.modifiers.sink import Sink
+from geoscale_fx.analysis.modifiers.softcap import Softcap
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.planning.plan import GraphContext, SitePlan, Skip, burn_in_variant, plan_site
 from geoscale_fx.planning.scaling import CurrentScaling, DelayedScaling, GeometryScaling, NoScaling
@@ -331,3 +335,16 @@ def test_a_site_the_weights_cannot_bound_is_planned_on_its_measured_operands():
 def test_fp8_qkv_on_a_measured_site_falls_back_with_the_reason():
     plan = _plan(_measured_site(), lowering="fp8_qkv")
     assert plan.lowering != "fp8_qkv" and "measured at every call" in plan.qkv_fallback
+
+
+def test_fp8_qkv_takes_a_mask_and_its_fallback_names_every_other_modifier():
+    """The plan asks each modifier whether the FP8 q/k/v kernel takes it (``fp8_qkv``)."""
+    value = _side(NKV, 2 * NQ * DH)
+    masked = _plan(_site(value=value, modifiers=(Mask("sdpa"),)), lowering="fp8_qkv")
+    assert masked.lowering == "fp8_qkv" and masked.qkv_fallback == ""
+    others = (Mask("sdpa"), Softcap("mul", 30.0), Sink("cat", param="sinks"),
+              PositionBias("add", 1.0), Softcap("mul_1", 5.0))
+    plan = _plan(_site(value=value, modifiers=others), lowering="fp8_qkv")
+    assert plan.lowering == "fused"
+    assert plan.qkv_fallback == "score modifiers ['position_bias', 'sink', 'softcap'] before " \
+                               "the softmax"
