@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule
 
-from geoscale_fx.analysis.dynamo_code import fresh_function, release_codes
+from geoscale_fx.analysis.dynamo_code import fresh_function, note_compile, release_codes
 from geoscale_fx.analysis.analyze import analyze_graph
 from geoscale_fx.analysis.fx.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.sites.model import AttentionSite
@@ -54,6 +54,7 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
            "captured": captured}
 
     def recorder(gm: GraphModule, example_inputs):
+        note_compile()                   # its shape environment is let go with the codes
         # sites are named in ``model`` (a function: in the module its frame reached)
         root = box["root"]
         attach_model(gm, root if root is not None else frame_root(gm))

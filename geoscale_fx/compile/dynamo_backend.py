@@ -27,8 +27,10 @@ from geoscale_fx.compile.backend_registry import BACKENDS
 from geoscale_fx.compile.backend_sites import (SiteRecord, global_heads, graph_context,
                                        placeholder_values, site_device, site_owners)
 from geoscale_fx.compile import graph_cache
+from geoscale_fx.compile.inductor import compile_fx
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.analysis.analyze import analyze_graph
+from geoscale_fx.analysis.dynamo_code import note_compile
 from geoscale_fx.compile.aten_trace import aten_graph
 from geoscale_fx.analysis.fx.activation_checkpoint import inline_activation_checkpoints
 from geoscale_fx.analysis.fx.module_names import attach_model, frame_root, graph_names
@@ -116,6 +118,7 @@ class GeoscaleBackend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any]):
         self.compiles += 1
         counters["geoscale"]["graphs"] += 1
+        note_compile()        # released with the codes of a converted model (dynamo_code)
         self.forget_freed()
         model = self.model if self.model is not None else frame_root(gm)
         gm = inline_activation_checkpoints(gm)   # attention inside checkpointed regions
@@ -290,8 +293,6 @@ class GeoscaleBackend:
             return gm.forward
         if compiler == "aot_eager":
             return aot_eager(gm, inputs)
-        from torch._inductor.compile_fx import compile_fx
-
         return compile_fx(gm, inputs, config_patches=_inductor_patches(fused))
 
     def _compile_rewritten(self, gm: GraphModule, plans: list[SitePlan], names, inputs: list,
@@ -302,7 +303,6 @@ class GeoscaleBackend:
         rewritten = rewrite(gm, plans, names)
         if self.options.compiler != "inductor":
             return self._compile(rewritten, inputs, fused)
-        from torch._inductor.compile_fx import compile_fx
 
         patches = _inductor_patches(fused)
         context = torch._guards.TracingContext.try_get()
