@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
 from torch._dynamo.resume_execution import ContinueExecutionCache
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = ["fresh_function", "note_compile", "release_codes"]
 
@@ -97,8 +98,6 @@ def _release_shape_envs(compiles: list) -> int:
             env.tracked_fakes = None
             released += 1
     if released:
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
         for memo in vars(ShapeEnv).values():
             if callable(getattr(memo, "cache_clear", None)):
                 memo.cache_clear()
