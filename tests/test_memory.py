@@ -115,32 +115,35 @@ def test_restore_frees_the_graphs_compiled_for_the_model():
 
 
 def _dynamo_objects() -> dict[str, int]:
-    """Shape environments and guard trees alive (after two collections: the first one's
-    callbacks let go of the rest)."""
+    """Shape environments and guard trees alive, once collections free nothing more (a
+    collection's callbacks — the model's finalizer releasing its codes — let go of more)."""
     from torch._dynamo.guards import CheckFunctionManager
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    gc.collect()
-    gc.collect()
+    for _ in range(5):
+        if gc.collect() == 0:
+            break
     alive = gc.get_objects()
     return {"shape environments": sum(type(o) is ShapeEnv for o in alive),
             "guard trees": sum(type(o) is CheckFunctionManager for o in alive)}
 
 
-@pytest.mark.parametrize("entry", ["apply_", pytest.param("apply_, kv_cache=fp8, generate",
-                                                          marks=pytest.mark.slow)])
+@pytest.mark.parametrize("entry", ["apply_", "apply_, kv_cache=fp8, generate"])
 def test_deleted_models_leave_no_shape_environment_or_guard_tree(entry):
     """Each converted model compiles fresh code; once it is deleted, Dynamo's guard trees
     (kept by finalizers on the traced code's globals) and shape environments (kept by a
-    fake-tensor cycle through C++ and torch's memos) go with it: none piles up per model."""
+    fake-tensor cycle through C++ and torch's memos) go with it: none piles up per model.
+    torch keeps its latest environment a while (bounded memos), so one more may be alive;
+    before the fix, each model with an FP8 cache left three."""
     if entry == "apply_":
         convert, generate = ENTRY_POINTS["apply_"], False
     else:
         convert, generate = (lambda m: geoscale_fx.apply_(m, kv_cache="fp8",
                                                           compiler="aot_eager")), True
-    for _ in range(2):        # torch keeps the latest environments a while (bounded memos)
-        _round(convert, generate)
+    _round(convert, generate)
     before = _dynamo_objects()
     for _ in range(2):
         _round(convert, generate)
-    assert _dynamo_objects() == before
+    after = _dynamo_objects()
+    assert after["guard trees"] == before["guard trees"]
+    assert after["shape environments"] - before["shape environments"] <= 1
