@@ -61,13 +61,14 @@ def minilm():
     return model.eval()
 
 
-#: test modules whose tests train, decode or export end to end (tens of seconds each): the
-#: fast tier (``pytest -m "not slow and not distributed and not inductor"``) leaves them out
+#: test modules whose tests train, decode, export or run a benchmark scenario end to end
+#: (seconds to tens of seconds each; single such tests elsewhere carry ``@pytest.mark.slow``):
+#: the fast tier (``pytest -m "not slow and not distributed and not inductor"``) leaves them out
 SLOW_MODULES = {"test_bench", "test_decode", "test_cached_keys", "test_streaming_export",
                 "test_hf_workflow", "test_kv_cache", "test_bench_families", "test_calibration",
                 "test_nvfp4", "test_attention_scales", "test_restore", "test_clients",
                 "test_bench_rl", "test_memory", "test_encoder_families",
-                "test_streaming_families"}
+                "test_streaming_families", "test_partial_export", "test_bench_host_overhead"}
 #: test modules that start several processes (gloo)
 DISTRIBUTED_MODULES = {"test_distributed"}
 

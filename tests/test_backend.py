@@ -163,6 +163,7 @@ def _copy_task(gen, shift=0):
     return x, (x + shift) % 16
 
 
+@pytest.mark.slow   # end-to-end training
 def test_fifty_training_steps_reduce_loss():
     zoo = models_zoo.get("nanogpt", seed=1)
     model = zoo.model.train()
@@ -183,6 +184,7 @@ def test_fifty_training_steps_reduce_loss():
     assert all(r.state.steps.item() == 50 for r in records)
 
 
+@pytest.mark.slow   # end-to-end training
 def test_power_sigma_tracks_exact_within_one_percent_while_fine_tuning():
     from geoscale_fx.core import spectral
 

@@ -87,12 +87,14 @@ def test_cached_amax_attributes_each_write_to_the_module_holding_the_site():
         assert layers[i]["sites"] == {sites[i]} and layers[i]["k"].shape == (n_kv,)
 
 
+@pytest.mark.slow   # an export scenario end to end
 def test_family_row_exports_llama_within_its_scales():
     row = family_row("llama")
     assert row["streamed"] == row["in-memory"] == "exported" and row["same scales"]
     assert row["violations"] == 0 and 0 < row["range worst"] <= 1 and row["checks"] > 0
 
 
+@pytest.mark.slow   # an export scenario end to end
 def test_a_partial_export_is_its_own_outcome_checked_on_the_layers_it_wrote(tmp_path):
     """OLMo-hybrid with layers full/linear/full: cache layer 2's attention reads an input
     the weights do not bound (tests/test_partial_export.py), so the export is ``partial``:

@@ -153,6 +153,7 @@ def test_layers_reusing_anothers_cache_get_its_kv_scales(tmp_path):
         assert f"{reader}.q_scale" in got.tensors
 
 
+@pytest.mark.slow   # end-to-end decoding
 def test_fp8_generate_on_mla_stays_close_to_the_unquantized_output():
     """It refused before ("1 key heads, but 4 k scales"); now each layer's FP8 latent cache
     has one k and one v scale, nothing saturates, and the first generated token's logits are

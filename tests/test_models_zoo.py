@@ -181,6 +181,7 @@ def test_nanogpt_is_causal_and_lm_loss_matches_its_targets_path():
     assert (full[:, 20:] - full_changed[:, 20:]).abs().max() > 1e-4
 
 
+@pytest.mark.slow   # end-to-end training
 @pytest.mark.parametrize("name", ["nanogpt", "hf-llama"])
 def test_loss_decreases_over_30_adamw_steps(name):
     zoo = models_zoo.get(name)

@@ -83,6 +83,7 @@ def test_adapter_dropout_in_training_makes_a_term_per_pair_and_the_bound_holds()
     assert worst > 0.01
 
 
+@pytest.mark.slow   # end-to-end training
 def test_training_the_adapter_moves_the_bound_and_never_overflows():
     model = _lora(build_hf("llama-sdpa")).train()
     geoscale_fx.apply_(model, compiler="aot_eager", audit=True, estimator="exact")

@@ -69,30 +69,24 @@ def _build(family: str, impl: str, seed: int = 0):
 
 @pytest.mark.zoo
 @pytest.mark.parametrize("family,impl", CASES)
-def test_every_site_is_found_supported_and_certified(family, impl):
+def test_every_site_is_found_supported_certified_and_its_terms_make_up_the_operands(family, impl):
+    """One capture (``find_attention`` is ``analyze_graph`` over each captured graph): both
+    sites found, supported and certified, with the family's head shapes, source width and
+    norm; each term's sides, recomputed from its own normalized source and head weights, make
+    up the graph's own queries and keys (squared norms per head and token add up)."""
+    from geoscale_fx.analysis.analyze import analyze_graph
+    from geoscale_fx.analysis.capture import capture_graphs
+
     _, _, heads, width, norm = FAMILIES[family]
-    sites = geoscale_fx.find_attention(_build(family, impl), input_ids=torch.randint(0, 128,
-                                                                                     (2, 10)))
+    graph, = capture_graphs(_build(family, impl), input_ids=torch.randint(0, 128, (2, 10)))
+    sites = analyze_graph(graph.gm, graph.example_inputs)
     assert len(sites) == 2
     for site in sites:
         assert site.supported and site.certified, site.reason
         assert (site.n_q_heads, site.n_kv_heads, site.head_dim) == heads
         q = site.terms[0].q
         assert (q.source.width if width is not None else None, q.source.norm) == (width, norm)
-
-
-@pytest.mark.zoo
-@pytest.mark.parametrize("family,impl", CASES)
-def test_terms_recomputed_from_their_sources_match_the_operands(family, impl):
-    """Each term's sides, recomputed from its own normalized source and head weights, make
-    up the graph's own queries and keys (squared norms per head and token add up)."""
-    from geoscale_fx.analysis.capture import capture_graphs
-    from geoscale_fx.analysis.analyze import analyze_graph
-
-    (graph, *_) = capture_graphs(_build(family, impl), input_ids=torch.randint(0, 128, (2, 10)))
     values = checks.record(graph.gm, graph.example_inputs)
-    sites = analyze_graph(graph.gm, graph.example_inputs)
-    assert sites and all(s.supported for s in sites)
     for site in sites:
         checks.check_term_norms(graph.gm, values, site, batch=2)
 

@@ -145,6 +145,7 @@ def test_left_as_is_sites_are_counted_and_reported():
     assert len(skipped) == 1 and "opaque fused op" in skipped[0]["reason"]
 
 
+@pytest.mark.slow   # end-to-end decoding
 @pytest.mark.zoo
 def test_generate_through_the_wrapper_runs_the_rewritten_model(caplog):
     """``wrap(model).generate`` calls the geoscale-compiled forward for the prefill and every
