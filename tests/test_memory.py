@@ -84,22 +84,6 @@ def _flex_entries() -> int:
     return len(_debug_get_cache_entry_list(code))
 
 
-def test_a_deleted_model_with_an_fp8_cache_is_freed_after_generate():
-    """... and later models of the same shapes add no compiled entry that outlives them:
-    the fused sites' inner flex_attention compiles are shared, not one per site and model
-    (the second model's prefill is traced with a symbolic length: one entry more)."""
-    convert = lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager",  # noqa: E731
-                                           lowering="fused")
-    parameter, module = _round(convert, generate=True)
-    gc.collect()
-    assert (parameter() is None, module() is None) == (True, True)
-    assert _flex_entries() >= 1          # the fused sites were traced through it
-    _round(convert, generate=True)
-    entries = _flex_entries()
-    _round(convert, generate=True)
-    assert _flex_entries() == entries
-
-
 def test_restore_frees_the_graphs_compiled_for_the_model():
     model = _llama()
     for _ in range(2):
@@ -128,22 +112,37 @@ def _dynamo_objects() -> dict[str, int]:
             "guard trees": sum(type(o) is CheckFunctionManager for o in alive)}
 
 
-@pytest.mark.parametrize("entry", ["apply_", "apply_, kv_cache=fp8, generate"])
-def test_deleted_models_leave_no_shape_environment_or_guard_tree(entry):
+def test_deleted_models_leave_no_shape_environment_or_guard_tree():
     """Each converted model compiles fresh code; once it is deleted, Dynamo's guard trees
     (kept by finalizers on the traced code's globals) and shape environments (kept by a
     fake-tensor cycle through C++ and torch's memos) go with it: none piles up per model.
-    torch keeps its latest environment a while (bounded memos), so one more may be alive;
-    before the fix, each model with an FP8 cache left three."""
-    if entry == "apply_":
-        convert, generate = ENTRY_POINTS["apply_"], False
-    else:
-        convert, generate = (lambda m: geoscale_fx.apply_(m, kv_cache="fp8",
-                                                          compiler="aot_eager")), True
-    _round(convert, generate)
+    torch keeps its latest environment a while (bounded memos), so one more may be alive."""
+    convert = ENTRY_POINTS["apply_"]
+    _round(convert)
     before = _dynamo_objects()
     for _ in range(2):
-        _round(convert, generate)
+        _round(convert)
     after = _dynamo_objects()
+    assert after["guard trees"] == before["guard trees"]
+    assert after["shape environments"] - before["shape environments"] <= 1
+
+
+def test_a_deleted_model_with_an_fp8_cache_is_freed_after_generate():
+    """... and later models of the same shapes leave nothing compiled behind them: no guard
+    tree and no shape environment per model (before the fix, each left three), and no
+    entry of their own on flex_attention's inner compile: the fused sites' inner compiles
+    are shared, not one per site and model (the second model's prefill is traced with a
+    symbolic length: one entry more)."""
+    convert = lambda m: geoscale_fx.apply_(m, kv_cache="fp8", compiler="aot_eager",  # noqa: E731
+                                           lowering="fused")
+    parameter, module = _round(convert, generate=True)
+    gc.collect()
+    assert (parameter() is None, module() is None) == (True, True)
+    assert _flex_entries() >= 1          # the fused sites were traced through it
+    _round(convert, generate=True)
+    entries, before = _flex_entries(), _dynamo_objects()
+    _round(convert, generate=True)
+    after = _dynamo_objects()
+    assert _flex_entries() == entries
     assert after["guard trees"] == before["guard trees"]
     assert after["shape environments"] - before["shape environments"] <= 1
