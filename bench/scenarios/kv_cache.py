@@ -127,7 +127,7 @@ def _greedy(model, ids: torch.Tensor, new: int, cache=None) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                               min_new_tokens=new, do_sample=False, pad_token_id=0,
-                              past_key_values=cache)
+                              cache=cache)       # past_key_values= before transformers 5.24
 
 
 def _teacher_forced(model, tokens: torch.Tensor, prompt_len: int, cache) -> torch.Tensor:
@@ -393,7 +393,7 @@ def fp8_qkv_decode_errors(model, prompt: torch.Tensor, new: int, *, static: bool
         cache = manager.new_cache(prompt, static=static, max_cache_len=tokens.shape[1])
         saturated: list = []
         with _fp8_sdpa(mode, saturated) if mode != "cache only" else contextlib.nullcontext():
-            logits = _forced_logits(model, prompt, tokens, past_key_values=cache)
+            logits = _forced_logits(model, prompt, tokens, cache=cache)
         found[mode] = logit_metrics(exact, logits)["rel_l2"]
         found[f"{mode} saturated"] = sum(saturated)
     found["cache saturated"] = manager.saturated_total()
