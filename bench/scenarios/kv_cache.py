@@ -51,7 +51,7 @@ from geoscale_fx.core.bounds import fp8_max
 from geoscale_fx.core.fp8 import quantize_dequantize
 from geoscale_fx.testing.hf_configs import tiny_model
 from geoscale_fx.kv_cache.layers import cache_nbytes, fp8_cache
-from geoscale_fx.kv_cache.manager import KVCacheManager
+from geoscale_fx.kv_cache.manager import KVCacheManager, cache_argument
 from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.kernels.qkv_attention import emulated_fp8_attention
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
@@ -99,7 +99,7 @@ def _layer_scales(per_layer_k: list, per_layer_v: list) -> list[LayerScales]:
 def _plain_cache(model, ids: torch.Tensor) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, use_cache=True, **{cache_argument(): cache})
     return cache
 
 
@@ -127,18 +127,18 @@ def _greedy(model, ids: torch.Tensor, new: int, cache=None) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                               min_new_tokens=new, do_sample=False, pad_token_id=0,
-                              cache=cache)       # past_key_values= before transformers 5.24
+                              **{cache_argument(): cache})
 
 
 def _teacher_forced(model, tokens: torch.Tensor, prompt_len: int, cache) -> torch.Tensor:
     """Logits ``(steps, B, V)`` predicting tokens ``prompt_len..`` one step at a time."""
     cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.no_grad():
-        logits = [model(tokens[:, :prompt_len], past_key_values=cache,
-                        use_cache=True).logits[:, -1]]
+        logits = [model(tokens[:, :prompt_len], use_cache=True,
+                        **{cache_argument(): cache}).logits[:, -1]]
         for t in range(prompt_len, tokens.shape[1] - 1):
-            logits.append(model(tokens[:, t:t + 1], past_key_values=cache,
-                                use_cache=True).logits[:, -1])
+            logits.append(model(tokens[:, t:t + 1], use_cache=True,
+                                **{cache_argument(): cache}).logits[:, -1])
     return torch.stack(logits).float()
 
 
@@ -393,7 +393,7 @@ def fp8_qkv_decode_errors(model, prompt: torch.Tensor, new: int, *, static: bool
         cache = manager.new_cache(prompt, static=static, max_cache_len=tokens.shape[1])
         saturated: list = []
         with _fp8_sdpa(mode, saturated) if mode != "cache only" else contextlib.nullcontext():
-            logits = _forced_logits(model, prompt, tokens, cache=cache)
+            logits = _forced_logits(model, prompt, tokens, **{cache_argument(): cache})
         found[mode] = logit_metrics(exact, logits)["rel_l2"]
         found[f"{mode} saturated"] = sum(saturated)
     found["cache saturated"] = manager.saturated_total()

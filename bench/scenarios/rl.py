@@ -37,6 +37,7 @@ from bench.runner import Context, ScenarioResult
 from bench.scenarios.kv_cache import FMT, _cache, _layer_scales, _teacher_forced
 from geoscale_fx.compile.attach import geoscale_call
 from geoscale_fx.core.bounds import fp8_max
+from geoscale_fx.kv_cache.manager import cache_argument
 from geoscale_fx.kv_cache.layer_scales import LayerScales
 
 __all__ = ["rl_rollouts", "SOURCES", "mismatch", "engine_layer_scales"]
@@ -132,7 +133,7 @@ def _calibrated(engine, ids: torch.Tensor) -> list[LayerScales]:
     """``amax / R_max`` of each layer's keys and values over ``ids`` (min-max observer)."""
     cache = DynamicCache(config=engine.config)
     with torch.no_grad():
-        engine(ids, past_key_values=cache, use_cache=True)
+        engine(ids, use_cache=True, **{cache_argument(): cache})
     limit = fp8_max(FMT)
     return _layer_scales([c.keys.abs().amax().reshape(1) / limit for c in cache.layers],
                          [c.values.abs().amax().reshape(1) / limit for c in cache.layers])
