@@ -133,12 +133,11 @@ def _greedy(model, ids: torch.Tensor, new: int, cache=None) -> torch.Tensor:
 def _teacher_forced(model, tokens: torch.Tensor, prompt_len: int, cache) -> torch.Tensor:
     """Logits ``(steps, B, V)`` predicting tokens ``prompt_len..`` one step at a time."""
     cache = DynamicCache(config=model.config) if cache is None else cache
+    passed = {cache_argument(): cache}
     with torch.no_grad():
-        logits = [model(tokens[:, :prompt_len], use_cache=True,
-                        **{cache_argument(): cache}).logits[:, -1]]
+        logits = [model(tokens[:, :prompt_len], use_cache=True, **passed).logits[:, -1]]
         for t in range(prompt_len, tokens.shape[1] - 1):
-            logits.append(model(tokens[:, t:t + 1], use_cache=True,
-                                **{cache_argument(): cache}).logits[:, -1])
+            logits.append(model(tokens[:, t:t + 1], use_cache=True, **passed).logits[:, -1])
     return torch.stack(logits).float()
 
 

@@ -112,9 +112,9 @@ def _detach_guard_finalizers(guards: set[int]) -> int:
     detached = 0
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         info = finalizer.peek()
-        callback = info[1] if info is not None else None
-        owner = getattr(getattr(callback, "func", None), "__self__", None)
-        if getattr(getattr(callback, "func", None), "__name__", "") == "invalidate" and \
+        func = getattr(info[1], "func", None) if info is not None else None
+        owner = getattr(func, "__self__", None)
+        if getattr(func, "__name__", "") == "invalidate" and \
                 id(getattr(owner, "guard_manager", None)) in guards:
             finalizer.detach()
             detached += 1
