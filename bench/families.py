@@ -367,6 +367,7 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
     layer makes Dynamo compile the layer's frame once and run that graph for every layer:
     one site, several calls)."""
     from geoscale_fx.analysis.analyze import analyze_graph
+    from geoscale_fx.core import compat
     from geoscale_fx.planning.plan import runnable
 
     graphs: list[list] = []
@@ -380,7 +381,7 @@ def sites_per_forward(model, inputs: dict) -> tuple[int, int, int]:
             return gm.forward(*args)
         return run
 
-    compiled = torch.compile(model, backend=counting, dynamic=False, isolate_recompiles=True)
+    compiled = compat.compile_isolated(model, backend=counting, dynamic=False)
     with torch.no_grad():
         compiled(**inputs)
     executed = supported = measured = 0

@@ -40,6 +40,7 @@ from tabulate import tabulate
 from torch._dynamo.utils import counters
 
 import geoscale_fx
+from geoscale_fx.core import compat
 from bench.timing import interleaved
 from geoscale_fx.kernels import logit_attention as attention
 from geoscale_fx.core import fp8
@@ -87,7 +88,9 @@ def _model(config, program: str, training: bool):
     model.train(training)
     if program == "plain":
         model.generation_config.disable_compile = True
-        model.compile(backend="inductor", isolate_recompiles=True)
+        # what model.compile installs, in a cache region of its own
+        model._compiled_call_impl = compat.compile_isolated(model._call_impl,
+                                                            backend="inductor")
         return model
     scaling = {"none": "none", "no-fp8": "geometry", "geometry": "geometry",
                "current": "current"}[program]

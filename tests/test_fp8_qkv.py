@@ -23,6 +23,7 @@ import geoscale_fx
 from geoscale_fx.core import bounds
 from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.core.bounds import round_up_f32
+from geoscale_fx.core.fp8 import saturating_cast
 from geoscale_fx.analysis.capture import capture_graphs, find_attention
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.kv_cache.manager import KVCacheManager
@@ -376,7 +377,7 @@ def test_a_cache_scale_descale_reproduces_the_stored_fp8_values(dtype):
     """δ = |s|·(1 + 2ε)·R_cache/R_max: the dequantized entries (rounded in the operand's
     dtype) cast back onto exactly the stored FP8 values, none above R_max; per-tensor and
     GQA-repeated scales expand per kv head."""
-    stored = (torch.randn(2, 2, 7, 8) * 200).to(torch.float8_e4m3fn)
+    stored = saturating_cast(torch.randn(2, 2, 7, 8) * 200, "e4m3")     # |x| > 448 → ±448
     stored[0, 0, 0, 0] = 448.0                                    # the top of the range
     scale = torch.tensor([3e-3, 0.7])
     k = (stored.float() * scale.view(1, -1, 1, 1)).to(dtype)
@@ -467,8 +468,11 @@ def _weight_k_bounds(model, ids) -> dict:
     return {s.name: site_amax_bounds(s)["k"] for s in find_attention(model, input_ids=ids)}
 
 
-def _per_kv(record, name: str) -> torch.Tensor:
-    return getattr(record.state, name).reshape(record.site.n_kv_heads, -1)[:, 0]
+def _per_kv(record, name: str, kv_heads: int) -> torch.Tensor:
+    """A state's value per kv head of the cache (``kv_heads``): the site's own heads are the
+    cache's, or their GQA repeats where the model expands k/v before SDPA (transformers
+    does under torch 2.11), each kv head's repeats consecutive."""
+    return getattr(record.state, name).reshape(kv_heads, -1)[:, 0]
 
 
 def _decode_step(model, ids, cache):
@@ -506,8 +510,9 @@ def test_an_fp8_cache_filled_by_other_weights_is_covered_by_its_own_scale():
         for role, bits, scale in (("k", layer.keys, layer.k_scale),
                                   ("v", layer.values, layer.v_scale)):
             actual = _dequantized(bits, scale).abs().amax(dim=(0, 2, 3)).double()
-            assert bool((_per_kv(record, f"{role}_bound") >= actual).all())
-            torch.testing.assert_close(_per_kv(record, f"{role}_scale"),
+            heads = bits.shape[1]
+            assert bool((_per_kv(record, f"{role}_bound", heads) >= actual).all())
+            torch.testing.assert_close(_per_kv(record, f"{role}_scale", heads),
                                        scale * (1 + 2 * torch.finfo(torch.float32).eps),
                                        rtol=1e-7, atol=0)
         cached = _dequantized(layer.keys, layer.k_scale).abs().amax(dim=(0, 2, 3)).double()
@@ -539,7 +544,7 @@ def test_a_plain_cache_with_inflated_keys_is_bounded_by_its_values():
         index = int(record.site.name.split(".")[2])
         st, layer = record.state, cache.layers[index]
         for role, read in (("k", layer.keys), ("v", layer.values)):    # past + this call's
-            torch.testing.assert_close(_per_kv(record, f"{role}_bound").double(),
+            torch.testing.assert_close(_per_kv(record, f"{role}_bound", read.shape[1]).double(),
                                        read.abs().amax(dim=(0, 2, 3)).double(), rtol=0, atol=0)
         past_k = past[index][0].abs().amax(dim=(0, 2, 3)).double()
         assert float((past_k / weight_k[record.site.name]).min()) > 2

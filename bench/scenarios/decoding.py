@@ -37,6 +37,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import geoscale_fx
+from geoscale_fx.core import compat
 from bench.methods import METHODS
 from bench.quality import first_divergence, logit_metrics, spread
 from bench.runner import Context, ScenarioResult
@@ -81,7 +82,8 @@ def _build(lm, options: dict | None, compiler: str):
     if options is None:
         if _is_hf(model):   # generate compiles nothing itself on CPU; never on top of ours
             model.generation_config.disable_compile = True
-        model.compile(backend=compiler, isolate_recompiles=True)
+        # what model.compile installs, in a cache region of its own
+        model._compiled_call_impl = compat.compile_isolated(model._call_impl, backend=compiler)
         return model
     return geoscale_fx.apply_(model, **options, compiler=compiler)
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 import geoscale_fx
+from geoscale_fx.core import compat
 from bench.memory import supported
 from bench.methods import METHODS
 from bench.runner import Context, ScenarioResult
@@ -34,7 +35,7 @@ def _median_ms(fn, repeats: int, rounds: int = 3) -> float:
 
 def _compiled(model, method: str | None, compiler: str):
     if method is None:
-        return torch.compile(model, backend=compiler, isolate_recompiles=True)
+        return compat.compile_isolated(model, backend=compiler)
     return geoscale_fx.wrap(model, **{**METHODS[method], "compiler": compiler})
 
 

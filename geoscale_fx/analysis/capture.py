@@ -22,6 +22,7 @@ import torch
 from torch.fx import GraphModule
 
 from geoscale_fx.analysis.dynamo_code import fresh_function, note_compile, release_codes
+from geoscale_fx.core import compat
 from geoscale_fx.analysis.analyze import analyze_graph
 from geoscale_fx.analysis.fx.module_names import attach_model, frame_root, graph_names
 from geoscale_fx.sites.model import AttentionSite
@@ -74,8 +75,7 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
     # compiles, and are dropped once it ran (``dynamo_code``)
     codes: list = []
     with _fresh_forward(model, codes) as target:
-        compiled = torch.compile(target, backend=recorder, dynamic=dynamic,
-                                 isolate_recompiles=True)
+        compiled = compat.compile_isolated(target, backend=recorder, dynamic=dynamic)
         try:
             compiled(*args, **kwargs)
         finally:

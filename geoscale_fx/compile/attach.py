@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import _get_cache_entries_for_region
 from torch.utils.weak import WeakIdKeyDictionary
 
+from geoscale_fx.core import compat
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 from geoscale_fx.analysis.dynamo_code import fresh_function, release_codes
@@ -121,8 +121,7 @@ class CompiledRegion:
 
     def entries(self) -> int:
         """Compiled entries of the call's frame in the current region."""
-        code = self.compiled._torchdynamo_orig_callable.__code__
-        return len(_get_cache_entries_for_region(code, self.compiled._isolate_recompiles_id))
+        return compat.region_entries(self.compiled)
 
     def renew_if_full(self, model_name: str) -> bool:
         if self.entries() < self.limit:
@@ -355,7 +354,6 @@ def compile_with_geoscale(model: nn.Module, options: GeoscaleOptions) -> Geoscal
     disable_hf_auto_compile(model)
     backend = GeoscaleBackend(options, state=state, owned=True, model=model)
     return GeoscaleCall(lambda limit: compile_module(model, backend=backend.for_dynamo(),
-                                                     isolate_recompiles=True,
                                                      recompile_limit=limit),
                         backend, type(model).__name__, model)
 
@@ -371,8 +369,9 @@ def compile_module(model: nn.Module, **kwargs):
     def call(*args, **kw):
         return model._call_impl(*args, **kw)
 
-    # a code object of its own per compile (models, renewals): released with the model
-    return torch.compile(fresh_function(call), **kwargs)
+    # a code object of its own per compile (models, renewals): released with the model;
+    # its own cache region and recompile limit (``compat.compile_isolated``)
+    return compat.compile_isolated(fresh_function(call), **kwargs)
 
 
 def disable_hf_auto_compile(model: nn.Module) -> None:

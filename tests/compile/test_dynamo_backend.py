@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import geoscale_fx
+from geoscale_fx.core import compat
 import models_zoo
 from tests.hf_models import build_hf
 
@@ -190,6 +191,6 @@ def test_apply_gives_each_model_its_own_dynamo_cache():
             model(torch.randn(2, 5, 16))
     assert [[r["steps"] for r in geoscale_fx.report(m).rows] for m in models] == [[1]] * 3
     compiled = [m._compiled_call_impl.compiled for m in models]
-    assert all(c._isolate_recompiles_id >= 0 for c in compiled)
+    assert [compat.region_entries(c) for c in compiled] == [1, 1, 1]
     codes = {id(c._torchdynamo_orig_callable.__code__) for c in compiled}
     assert len(codes) == 3

@@ -118,7 +118,8 @@ def _reference_attention(case, divisor, fmt="e4m3"):
     if divisor is not None:
         d = divisor.to(f64).expand(q.shape[1]).reshape(-1, 1, 1)
         fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
-        s = (s / d).to(fp8).to(f64) * d
+        limit = torch.finfo(fp8).max          # saturating (torch < 2.13's cast gives NaN)
+        s = (s / d).clamp(-limit, limit).to(fp8).to(f64) * d
     mask = c["attn_mask"]
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.to(f64)

@@ -137,7 +137,7 @@ def replay_dtensor(node: Node, op: str, track):
             return t
         return track.map(local)
     if op == "from_local":
-        placements = node.args[2] if len(node.args) > 2 else node.kwargs.get("placements")
+        placements = _from_local_placements(node)
         if placements is not None and all(p.is_replicate() for p in placements):
             return track              # every rank holds the whole value
         raise Unsupported(f"`{node.name}`: from_local of a value derived from the projection "
@@ -145,12 +145,21 @@ def replay_dtensor(node: Node, op: str, track):
     raise Unsupported(f"`{node.name}` ({op}): DTensor op not understood on the query/key path")
 
 
+def _from_local_placements(node: Node):
+    """The placements a ``from_local`` node gives its DTensor: its argument, or (where Dynamo
+    keeps them in the function it recorded: ``compat.traced_dtensor_method``) its value's."""
+    placements = node.args[2] if len(node.args) > 2 else node.kwargs.get("placements")
+    if placements is None and dtensor_of(node) is not None:
+        placements = tuple(dtensor_of(node).placements)
+    return placements
+
+
 def token_vector_split(node: Node) -> Optional[str]:
     """Why a DTensor op on the way back to a normalization does not keep each token's whole
     feature vector (a placement on either side shards or partially sums the last dim), or
     None when it does."""
     if op_of(node) == "from_local":
-        placements = node.args[2] if len(node.args) > 2 else node.kwargs.get("placements")
+        placements = _from_local_placements(node)
         sides = [(len(getattr(example_value(node), "shape", ())), tuple(placements or ()))]
     else:
         sides = [(len(v.shape), tuple(v.placements))

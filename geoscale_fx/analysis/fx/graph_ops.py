@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from geoscale_fx.analysis.fx.module_names import NAME_META
+from geoscale_fx.core import compat
 
 __all__ = [
     "op_of", "arg", "upstream", "baddbmm_args", "matmul_operands", "example_value", "shape_of", "static_int", "scalar_constant", "static_bool",
@@ -109,9 +110,10 @@ def op_of(node: Node) -> str | None:
     """Canonical op name of ``node`` (``"linear"``, ``"view"``, ``"sdpa"``, …) or None."""
     if node.op == "call_function":
         try:
-            return _FUNCTIONS.get(node.target)
+            op = _FUNCTIONS.get(node.target)
         except TypeError:  # unhashable target
             return None
+        return op if op is not None else compat.traced_dtensor_method(node.target)
     if node.op == "call_method":
         return _METHODS.get(node.target)
     return None

@@ -40,6 +40,8 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch.fx import GraphModule, Node
 from torch.utils.weak import WeakIdKeyDictionary
 
+from geoscale_fx.core import compat
+
 __all__ = ["ModelNames", "GraphNames", "attach_model", "graph_names", "graph_tensor_names",
            "model_names",
            "frame_root", "NAME_META", "MODULE_META"]
@@ -272,7 +274,7 @@ def frame_root(gm: GraphModule) -> nn.Module | None:
             key = source.name
             if key not in resolved:
                 try:
-                    resolved[key] = output.resolve_source_value(source)
+                    resolved[key] = compat.resolve_source_value(output, source)
                 except Exception:       # a source kind Dynamo cannot evaluate: look deeper
                     resolved[key] = None
             value = resolved[key]
