@@ -112,8 +112,16 @@ def test_links_between_pages_resolve():
 
 
 def test_the_readme_test_command_is_what_ci_runs():
-    """.ci/run runs exactly the README's "Tests" command (and the "Main job" one stays)."""
+    """.ci/run runs exactly the README's "Tests" command, as its first command after the
+    fresh environment, then the fast tier on the oldest and newest torch (and the "Main job"
+    command stays)."""
     readme = [b.code.strip() for b in blocks(ROOT / "README.md") if b.language == "bash"]
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1].strip()
-    assert ci in readme
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in lines if line and not line.startswith("#")]
+    tests = next(c for c in readme if c.endswith("-m pytest -q -n auto"))
+    assert commands[commands.index("rm -rf .venv") + 1] == tests
+    tiers = [c for c in commands if c.startswith("tools/torch-release")]
+    assert tiers == ['tools/torch-release "$release" -m "not slow and not distributed and '
+                     'not inductor"']
+    assert "for release in 2.11.0 2.15.0; do" in commands
     assert any(c.endswith("HF_HUB_OFFLINE=1 .venv/bin/python -m bench") for c in readme)
