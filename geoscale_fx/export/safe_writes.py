@@ -65,7 +65,7 @@ def replace_file(path: Path, data: bytes) -> bool:
     with contextlib.suppress(OSError):
         if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
             return False
-    mode = _mode_for(path)
+    mode, link = _mode_for(path), path.is_symlink()
     temp = path.with_name(f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -84,6 +84,9 @@ def replace_file(path: Path, data: bytes) -> bool:
             os.unlink(temp)
         raise _failed(path, "write", exc) from exc
     _sync_directory(path.parent)
+    if link:
+        log.info("geoscale: %s was a symlink: now a regular file; what it pointed to is "
+                 "unchanged", path)
     return True
 
 

@@ -40,9 +40,11 @@ def test_a_regular_file_is_replaced_whole_keeping_its_mode(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]   # no temp left
 
 
-def test_a_symlink_becomes_a_regular_file_and_its_blob_is_untouched(tmp_path):
+def test_a_symlink_becomes_a_regular_file_and_its_blob_is_untouched(tmp_path, caplog):
     blob, link = _blob_and_link(tmp_path)
-    assert replace_file(link, b"{}\n") is True
+    with caplog.at_level("INFO", logger="geoscale_fx"):
+        assert replace_file(link, b"{}\n") is True
+    assert f"{link} was a symlink: now a regular file" in caplog.text
     assert not link.is_symlink() and link.read_bytes() == b"{}\n"
     assert blob.read_bytes() == b"blob bytes\n"
     assert stat.S_IMODE(link.stat().st_mode) == 0o644     # the blob's mode
