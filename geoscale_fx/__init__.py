@@ -22,6 +22,7 @@ Public surface (imported lazily, so ``import geoscale_fx`` stays cheap)::
     geoscale_fx.find_attention(model, *args, **kwargs) -> list[AttentionSite]
     geoscale_fx.AttentionSite
     geoscale_fx.NonFiniteWeights                  # raised when a parameter holds inf/nan
+    geoscale_fx.CheckpointError                   # a checkpoint the export cannot read or write
     geoscale_fx.site_logit_bound(site)            # certified per-head bound on |S|, current weights
     geoscale_fx.site_amax_bounds(site)            # certified per-head bounds on q/k/v entries
     geoscale_fx.bounds      bounds on |S| and the paper's α/γ calibration rule
@@ -61,6 +62,7 @@ _LAZY = {
     "plain_state_dict": ("geoscale_fx.api.conversion", "plain_state_dict"),
     "AttentionSite": ("geoscale_fx.sites.model", "AttentionSite"),
     "NonFiniteWeights": ("geoscale_fx.core.errors", "NonFiniteWeights"),
+    "CheckpointError": ("geoscale_fx.core.errors", "CheckpointError"),
     "site_logit_bound": ("geoscale_fx.numerics.logit_bounds", "site_logit_bound"),
     "site_amax_bounds": ("geoscale_fx.numerics.amax", "site_amax_bounds"),
 }

@@ -10,6 +10,7 @@ import sys
 from tabulate import tabulate
 
 from geoscale_fx.api import inspection
+from geoscale_fx.core.errors import CheckpointError
 from geoscale_fx.export.kv_scales import WRITERS, export_kv_scales
 from geoscale_fx.testing.paper_models import PAPER_MODELS, calibration_row
 
@@ -71,12 +72,24 @@ def _left_at_default(export) -> list[str]:
             *(f"  {refusal.describe()}" for refusal in export.left_at_default.values())]
 
 
+def _export_source(spec: str) -> str:
+    """``"directory"`` (a saved checkpoint, streamed) or ``"callable"``
+    (``package.module:function``); anything else is a ``CheckpointError`` naming it."""
+    if os.path.isdir(spec):
+        return "directory"
+    if ":" in spec and not os.path.exists(spec):
+        return "callable"
+    what = "is not a directory" if os.path.exists(spec) else "does not exist"
+    raise CheckpointError(f"{spec} {what} (export-kv-scales takes a saved Hugging Face model "
+                          "directory, or package.module:function with --out)")
+
+
 def _export_kv_scales(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     options = dict(strategy=args.strategy, include_q=not args.no_q,
                    all_or_nothing=args.all_or_nothing, format=args.format)
     try:
-        if os.path.isdir(args.model):     # traced weightless, weights streamed layer by layer
+        if _export_source(args.model) == "directory":   # traced weightless, weights streamed
             export = export_kv_scales(args.model, args.out, **options)
         else:
             if args.out is None:
@@ -84,8 +97,12 @@ def _export_kv_scales(args: argparse.Namespace) -> int:
                                  "that is not a saved directory")
             model, inputs = _load_for_export(args)
             export = export_kv_scales(model, args.out, **options, **inputs)
-    except ValueError as exc:
+    except ValueError as exc:      # CheckpointError among them: names the file
         print(f"geoscale export-kv-scales: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:         # what no check foresaw: still one line, naming the file
+        print(f"geoscale export-kv-scales: {exc.filename or args.model}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return 2
     print(_export_table(export))
     for line in _left_at_default(export):

@@ -4,6 +4,10 @@
         model(**batch)
     except geoscale_fx.NonFiniteWeights as e:   # a parameter holds inf/nan: names it
         ...
+    try:
+        geoscale_fx.export_kv_scales("ckpt")
+    except geoscale_fx.CheckpointError as e:    # a file it cannot read or write: names it
+        ...
 
 ``non_finite_entries`` is the package's one finiteness check: the runtime before a bound
 is computed, the KV-cache scales before a refresh and the checkpoint reader on every
@@ -13,11 +17,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["NonFiniteWeights", "non_finite_entries", "all_finite"]
+__all__ = ["CheckpointError", "NonFiniteWeights", "non_finite_entries", "all_finite"]
 
 
 class NonFiniteWeights(ValueError):
     """A site's parameters hold inf or nan: its bound (and FP8 scale) would be NaN."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory the export cannot read, or an output it cannot write: the
+    message names the file and what is wrong with it (missing, not a directory, corrupt or
+    truncated safetensors, invalid ``config.json``, a family transformers cannot build, no
+    permission, no space). Raised before anything is written, or — a write that failed —
+    with the checkpoint left loadable (``geoscale_fx.export.safe_writes``)."""
 
 
 #: dtypes ``torch.aminmax`` covers: one pass, since NaN and ±inf reach the min or the max

@@ -79,7 +79,14 @@ Two routes to the same bounds:
 
 Every refusal (above, another ``quant_method`` in ``config.json``, a scale name held by
 another file; a refused layer under ``all_or_nothing``) comes before the first file is
-written.
+written. A checkpoint that cannot be read (a directory that does not exist, a truncated or
+corrupt safetensors file, a ``config.json`` that is not valid JSON or names a family the
+installed transformers cannot build) or an output that cannot be written is a
+``geoscale_fx.CheckpointError`` (a ``ValueError``) naming the file, raised before the
+trace; nothing is written. The writes themselves never harm the checkpoint: each file
+atomically replaced, never written through a symlink (a hub cache's blobs keep their
+content), in an order that leaves it loadable at every moment
+(``geoscale_fx.export.safe_writes``, ``compressed_tensors._merge``).
 
 Example::
 
@@ -101,6 +108,7 @@ import torch
 from torch import nn
 
 from geoscale_fx.export import compressed_tensors
+from geoscale_fx.export.safe_writes import check_writable
 from geoscale_fx.export.streamed_scales import checkpoint_layer_scales
 from geoscale_fx.kv_cache.layers import cache_layer_classes
 from geoscale_fx.kv_cache.refusals import LayerRefusal
@@ -268,11 +276,14 @@ def export_kv_scales(model: Union[nn.Module, str, os.PathLike],
                              "weights on its own example ids; example inputs are for an "
                              "in-memory model")
         out_dir = model if out_dir is None else out_dir
+        if Path(model).is_dir():           # else the reader names what is wrong with it
+            check_writable(Path(out_dir))  # before the trace, not after it
         scales = checkpoint_layer_scales(model, partial=partial)
         model, layers, refused = scales.model, scales.layers, scales.refused
     else:
         if out_dir is None:
             raise ValueError("export_kv_scales: out_dir is needed for an in-memory model")
+        check_writable(Path(out_dir))
         source = WeightKVScales(model, partial=partial, who="export_kv_scales")
         with torch.no_grad():
             layers = source.capture(*example_inputs, **example_kwargs).layers()

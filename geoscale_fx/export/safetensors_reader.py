@@ -9,7 +9,11 @@ what stays resident is the tensors asked for, never a shard.
 Contract: a tensor that the index does not list, or that its shard does not hold, and a
 floating tensor with a NaN or ±inf entry, is a ``ValueError`` naming the tensor (its
 checkpoint name, e.g. ``model.layers.3.self_attn.k_proj.weight``) and the file. Only the
-tensors read are checked.
+tensors read are checked for values. What makes the checkpoint unreadable is a
+``CheckpointError`` (a ``ValueError``) naming the file, when the reader is made: a directory
+that does not exist, an index that is not valid JSON or has no ``weight_map``, and a file
+it lists (or ``model.safetensors``) that is missing, truncated or whose header is corrupt
+(every file's header is parsed, no data read).
 
 Example::
 
@@ -18,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
@@ -26,9 +31,10 @@ from typing import Iterable, Union
 
 import torch
 
-from geoscale_fx.core.errors import non_finite_entries
+from geoscale_fx.core.errors import CheckpointError, non_finite_entries
 
-__all__ = ["CheckpointReader", "INDEX_FILE", "SINGLE_WEIGHTS_FILE"]
+__all__ = ["CheckpointReader", "INDEX_FILE", "SINGLE_WEIGHTS_FILE", "open_safetensors",
+           "read_index", "read_json_object", "stored_names"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -38,21 +44,24 @@ class CheckpointReader:
     """The tensor names of a safetensors checkpoint directory and where each one lives."""
 
     def __init__(self, directory: Union[str, os.PathLike]):
-        from safetensors import safe_open
-
         self.directory = Path(directory)
+        if not self.directory.is_dir():
+            what = "is not a directory" if self.directory.exists() else "does not exist"
+            raise CheckpointError(f"checkpoint {self.directory} {what} (a saved Hugging Face "
+                                  "model directory is needed)")
         index, single = self.directory / INDEX_FILE, self.directory / SINGLE_WEIGHTS_FILE
         if single.exists():          # Hugging Face reads model.safetensors alone if present
-            with safe_open(str(single), framework="pt") as f:
-                self.weight_map = {name: single.name for name in f.keys()}
+            self.weight_map = {name: single.name for name in stored_names(single)}
             self.listing = single.name
         elif index.exists():
-            self.weight_map = dict(json.loads(index.read_text())["weight_map"])
+            self.weight_map = read_index(index)["weight_map"]
             self.listing = index.name
+            for file in sorted(set(self.weight_map.values())):
+                stored_names(self.directory / file, listed_in=index)
         else:
-            raise ValueError(f"checkpoint {self.directory}: neither {SINGLE_WEIGHTS_FILE} nor "
-                             f"{INDEX_FILE} (save with save_pretrained(..., "
-                             "safe_serialization=True))")
+            raise CheckpointError(f"checkpoint {self.directory}: neither {SINGLE_WEIGHTS_FILE} "
+                                  f"nor {INDEX_FILE} (save with save_pretrained(..., "
+                                  "safe_serialization=True))")
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -61,16 +70,14 @@ class CheckpointReader:
         try:
             return self.weight_map[name]
         except KeyError:
-            raise ValueError(f"checkpoint {self.directory}: tensor {name!r} is missing "
-                             f"({self.listing} does not list it)") from None
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {name!r} is "
+                                  f"missing ({self.listing} does not list it)") from None
 
     def floating_dtype(self) -> torch.dtype:
         """The dtype of the first floating tensor of the first file (what
         ``from_pretrained(dtype="auto")`` takes when ``config.json`` names none)."""
-        from safetensors import safe_open
-
         first = sorted(set(self.weight_map.values()))[0]
-        with safe_open(str(self.directory / first), framework="pt") as f:
+        with open_safetensors(self.directory / first) as f:
             for name in f.keys():
                 dtype = f.get_slice(name).get_dtype()
                 value = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
@@ -88,12 +95,10 @@ class CheckpointReader:
     def metas(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """``{name: meta tensor of its stored shape and dtype}`` from the files' headers (no
         data); each file opened once."""
-        from safetensors import safe_open
-
         out = {}
         for file, file_names in self._by_file(names):
             path = self.directory / file
-            with safe_open(str(path), framework="pt") as f:
+            with open_safetensors(path) as f:
                 for name in file_names:
                     stored = f.get_slice(name)
                     dtype = getattr(torch, _TORCH_DTYPES.get(stored.get_dtype(), ""), None)
@@ -106,23 +111,81 @@ class CheckpointReader:
     def read(self, names: Iterable[str], finite: bool = True) -> dict[str, torch.Tensor]:
         """``{name: tensor}`` on the CPU, in the stored dtype; each shard opened once.
         ``finite=False`` skips the NaN/inf check (buffers such as masks hold -inf)."""
-        from safetensors import safe_open
-
         out = {}
         for file, file_names in self._by_file(names):
             path = self.directory / file
             if not path.exists():
-                raise ValueError(f"checkpoint {self.directory}: tensor {file_names[0]!r} is "
-                                 f"listed in {file}, which does not exist")
-            with safe_open(str(path), framework="pt") as f:
+                raise CheckpointError(f"checkpoint {self.directory}: tensor {file_names[0]!r} "
+                                      f"is listed in {file}, which does not exist")
+            with open_safetensors(path) as f:
                 held = set(f.keys())
                 for name in file_names:
                     if name not in held:
-                        raise ValueError(f"checkpoint {self.directory}: tensor {name!r} is "
-                                         f"missing from {file} (the index lists it there)")
+                        raise CheckpointError(f"checkpoint {self.directory}: tensor "
+                                              f"{name!r} is missing from {file} (the index "
+                                              "lists it there)")
                     tensor = f.get_tensor(name)
                     out[name] = _finite(tensor, name, path) if finite else tensor
         return out
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """``safetensors.safe_open(path)`` (a memory map), or a ``CheckpointError`` naming the
+    file and what is wrong (missing, truncated, corrupt header)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        what = "is a dangling symlink" if path.is_symlink() else "does not exist"
+        raise CheckpointError(f"checkpoint file {path} {what}")
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"checkpoint file {path} is not a readable safetensors file "
+                              f"(truncated or corrupt: {_first_line(exc)})") from exc
+    with handle as f:
+        yield f
+
+
+def stored_names(path: Path, listed_in: Path | None = None) -> list[str]:
+    """The tensor names a safetensors file's header holds (its data is not read; a header
+    whose offsets do not cover the file exactly, as after a truncated copy, is refused)."""
+    if listed_in is not None and not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} (listed in {listed_in.name}) does not "
+                              "exist")
+    with open_safetensors(path) as f:
+        return list(f.keys())
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in ``path``, or a ``CheckpointError`` naming it and what is wrong:
+    missing (or a dangling symlink), not valid JSON (a truncated write), not an object."""
+    try:
+        parsed = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        what = "is a dangling symlink" if path.is_symlink() else "does not exist"
+        raise CheckpointError(f"{path} {what}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({_first_line(exc)})") from exc
+    if not isinstance(parsed, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(parsed).__name__}, not an object")
+    return parsed
+
+
+def read_index(path: Path) -> dict:
+    """A ``model.safetensors.index.json``: ``{"metadata": ..., "weight_map": {name: file}}``,
+    or a ``CheckpointError`` naming what is wrong with it."""
+    index = read_json_object(path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{path} has no \"weight_map\" of tensor names to file names")
+    return index
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def _finite(tensor: torch.Tensor, name: str, path: Path) -> torch.Tensor:

@@ -52,15 +52,17 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Union
 
 import torch
 from torch import nn
 
+from geoscale_fx.core.errors import CheckpointError
 from geoscale_fx.numerics.amax import cache_write_bounds, site_amax_bounds
 from geoscale_fx.analysis.capture import CapturedGraph, capture_graphs
 from geoscale_fx.export.checkpoint_keys import CheckpointKeys
-from geoscale_fx.export.safetensors_reader import CheckpointReader
+from geoscale_fx.export.safetensors_reader import CheckpointReader, read_json_object
 from geoscale_fx.testing.hf_configs import causal_lm_class, token_inputs
 from geoscale_fx.kv_cache.layer_map import (
     CacheLayer, layer_scales, plan_cache_layers, traced_with_writes,
@@ -92,17 +94,42 @@ def meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader) -> 
 
 def _meta_model(directory: Union[str, os.PathLike], reader: CheckpointReader
                 ) -> tuple[nn.Module, CheckpointKeys]:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(directory)
+    config = _checkpoint_config(Path(directory))
     dtype = getattr(config, "dtype", None) or reader.floating_dtype()
-    cls = causal_lm_class(config)
-    build = getattr(cls, "from_config", None) or cls._from_config     # Auto class or not
-    with torch.device("meta"):
-        model = build(config, dtype=dtype).eval()
+    model = _build_on_meta(config, dtype, Path(directory) / "config.json")
     keys = CheckpointKeys(model, reader)
     _materialize_state(model, keys)
     return model, keys
+
+
+def _checkpoint_config(directory: Path):
+    """``AutoConfig.from_pretrained(directory)``, or a ``CheckpointError`` naming
+    ``config.json`` and what is wrong: missing, not a JSON object, a model type the installed
+    transformers does not know."""
+    import transformers
+
+    path = directory / "config.json"
+    parsed = read_json_object(path)
+    try:
+        return transformers.AutoConfig.from_pretrained(directory)
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{path}: transformers {transformers.__version__} cannot read "
+                              f"it (model_type {parsed.get('model_type')!r}): "
+                              f"{_first_line(exc)}") from exc
+
+
+def _build_on_meta(config, dtype: torch.dtype, path: Path) -> nn.Module:
+    """The model class the checkpoint is loaded with, built from ``config`` on the meta
+    device, or a ``CheckpointError`` naming ``path`` and why transformers cannot build it."""
+    try:
+        cls = causal_lm_class(config)
+        build = getattr(cls, "from_config", None) or cls._from_config     # Auto class or not
+        with torch.device("meta"):
+            return build(config, dtype=dtype).eval()
+    except Exception as exc:       # the family's own constructor: any error it raises
+        raise CheckpointError(f"{path}: transformers cannot build a causal LM of model_type "
+                              f"{config.model_type!r} from it: {type(exc).__name__}: "
+                              f"{_first_line(exc)}") from exc
 
 
 def _materialize_state(model: nn.Module, keys: CheckpointKeys) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from geoscale_fx.core.errors import CheckpointError
 from geoscale_fx.export.safetensors_reader import INDEX_FILE, SINGLE_WEIGHTS_FILE, CheckpointReader
 
 
@@ -54,13 +55,46 @@ def test_non_finite_tensors_are_refused_naming_tensor_file_and_count(tmp_path):
 
 def test_missing_tensors_and_files_are_refused_by_name(tmp_path):
     _sharded(tmp_path, {"s1.safetensors": {"a": torch.zeros(1)}},
-             listed={"a": "s1.safetensors", "b": "s1.safetensors", "c": "gone.safetensors"})
+             listed={"a": "s1.safetensors", "b": "s1.safetensors"})
     reader = CheckpointReader(tmp_path)
     with pytest.raises(ValueError, match=r"tensor 'zz' is missing \(model.safetensors.index"):
         reader.read(["zz"])
     with pytest.raises(ValueError, match="'b' is missing from s1.safetensors"):
         reader.read(["a", "b"])
-    with pytest.raises(ValueError, match="'c' is listed in gone.safetensors, which does not"):
-        reader.read(["c"])
-    with pytest.raises(ValueError, match="neither model.safetensors nor"):
-        CheckpointReader(tmp_path / "s1.safetensors.missing")
+    (tmp_path / "s1.safetensors").unlink()             # gone after the reader was made
+    with pytest.raises(CheckpointError, match="'a' is listed in s1.safetensors, which does"):
+        reader.read(["a"])
+    (tmp_path / INDEX_FILE).unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
+        CheckpointReader(tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*missing does not exist \(a saved"):
+        CheckpointReader(tmp_path / "missing")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"checkpoint .*a_file is not a directory"):
+        CheckpointReader(tmp_path / "a_file")
+
+
+def test_every_listed_file_is_checked_when_the_reader_is_made(tmp_path):
+    """A file the index lists that is missing, truncated or not safetensors at all is a
+    ``CheckpointError`` naming it before any tensor is read; so is an index that is not
+    JSON or has no weight map. Only headers are parsed."""
+    _sharded(tmp_path, {"s1.safetensors": {"a": torch.zeros(4)}},
+             listed={"a": "s1.safetensors", "c": "gone.safetensors"})
+    with pytest.raises(CheckpointError, match=r"gone.safetensors \(listed in model.safetensors"
+                                              r".index.json\) does not exist"):
+        CheckpointReader(tmp_path)
+    _sharded(tmp_path, {"s1.safetensors": {"a": torch.zeros(4)},
+                        "s2.safetensors": {"b": torch.zeros(4)}})
+    data = (tmp_path / "s2.safetensors").read_bytes()
+    for bad, why in ((data[:-3], "incomplete metadata"), (b"not safetensors", "header"),
+                     (b"", "header too small")):
+        (tmp_path / "s2.safetensors").write_bytes(bad)
+        with pytest.raises(CheckpointError, match=r"s2.safetensors is not a readable "
+                                                  rf"safetensors file \(truncated or corrupt: .*{why}"):
+            CheckpointReader(tmp_path)
+    (tmp_path / INDEX_FILE).write_text('{"weight_map": {"a": "s1.safe')
+    with pytest.raises(CheckpointError, match=r"index.json is not valid JSON \(Unterminated"):
+        CheckpointReader(tmp_path)
+    (tmp_path / INDEX_FILE).write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=r'has no "weight_map" of tensor names'):
+        CheckpointReader(tmp_path)
