@@ -137,6 +137,13 @@ def test_the_limits_fit_the_budget_and_the_estimates_fit_the_limits():
     assert all(0 < c.estimate_s < c.limit_s for c in CHECKS)
 
 
+def test_the_docs_table_states_each_check_s_limit_and_estimate():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    for c in CHECKS:
+        (line,) = [l for l in text.splitlines() if l.startswith(f"| `{c.key}` |")]
+        assert line.endswith(f"| {c.limit_s:g} ({c.estimate_s:g}) |"), line[-30:]
+
+
 def test_cuda_tests_are_found_by_their_skipif_guard(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
