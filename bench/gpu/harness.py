@@ -15,7 +15,6 @@ tiny shapes and are never CUDA figures.
 """
 from __future__ import annotations
 
-import math
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -227,7 +226,3 @@ def peak_bytes(fn: Callable[[], Any], device: str) -> Optional[float]:
     fn()
     torch.cuda.synchronize()
     return float(torch.cuda.max_memory_allocated() - base)
-
-
-def finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
