@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.fx.experimental import proxy_tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from geoscale_fx.core.fp8 import fake_quantize_logits, quantize_dequantize
+from geoscale_fx.core.fp8 import fake_quantize_logits
 
 __all__ = ["fused_attention", "explicit_attention", "head_divisor"]
 
@@ -67,8 +67,10 @@ def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optiona
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if divisor is not None:
-            d = (divisor[h] if per_head else divisor[0]).to(score.dtype)
-            score = quantize_dequantize(score / d, fmt) * d
+            # straight-through, as the explicit lowering: flex_attention's backward (CUDA)
+            # differentiates this function, and the cast's own gradient would round dS to
+            # FP8 and zero it where S / scale saturates
+            score = fake_quantize_logits(score, divisor[h] if per_head else divisor[0], fmt)
         if read_mask is not None:
             m = read_mask(b, h, q_idx, kv_idx)
             score = torch.where(m, score, -float("inf")) if is_bool else score + m.to(

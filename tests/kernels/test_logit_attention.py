@@ -332,3 +332,32 @@ def test_fully_masked_row_gives_zeros_like_sdpa(impl):
     assert torch.equal(ref[:, :, 3], torch.zeros_like(ref[:, :, 3]))
     out = _run(impl, case, SCALAR)
     assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+
+
+def test_the_fused_score_mod_passes_the_gradient_straight_through(monkeypatch):
+    """flex_attention's backward (CUDA only) differentiates the score_mod: its FP8 round trip
+    must have the straight-through gradient of the explicit lowering — dS unrounded, also
+    where S / scale saturates — while its value is the round trip."""
+    from geoscale_fx.kernels import logit_attention
+
+    seen = {}
+
+    def capture(q, k, v, *, score_mod, **kwargs):
+        seen["score_mod"] = score_mod
+        return q
+
+    monkeypatch.setattr(logit_attention, "flex_attention", capture)
+    q = torch.randn(1, 2, 4, 8)
+    divisor = torch.tensor([2.0 ** -9, 1.0])            # head 0 saturates above 0.875
+    fused_attention(q, q, q, None, divisor, softmax_scale=1.0, is_causal=False,
+                    enable_gqa=False, fmt="e4m3")
+    score = torch.tensor([0.1, 3.0, -50.0, 1e-3], dtype=torch.float64, requires_grad=True)
+    idx = torch.zeros((), dtype=torch.long)
+    for head in (0, 1):
+        out = seen["score_mod"](score, idx, torch.tensor(head), idx, idx)
+        d = float(divisor[head])
+        limit = torch.finfo(torch.float8_e4m3fn).max
+        expected = (score.detach() / d).clamp(-limit, limit).to(torch.float8_e4m3fn).double() * d
+        assert torch.equal(out.detach(), expected)      # the same cast, the same value
+        grad, = torch.autograd.grad(out.sum(), score)
+        assert torch.equal(grad, torch.ones_like(score)), head
