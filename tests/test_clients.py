@@ -1,8 +1,9 @@
 """geoscale in the clients people use, as a new user would call them: TRL's GRPO (rollouts by
-``generate`` with the FP8 KV cache) and SFT trainers, sentence-transformers with the real
-pretrained all-MiniLM-L6-v2, accelerate's ``prepare``. Each asserts on the names (the
-model's own paths, never how the client reached the forward), the report's rows, the
-calls that ran without FP8 (none), and the outputs.
+``generate`` with the FP8 KV cache) and SFT trainers, at their configs' defaults and in
+configurations of our own, sentence-transformers with the real pretrained all-MiniLM-L6-v2,
+accelerate's ``prepare``. Each asserts on the names (the model's own paths, never how the
+client reached the forward), the report's rows, the calls that ran without FP8 (none), and
+the outputs.
 
 Needs the ``[clients]`` extra (trl, sentence-transformers, datasets); skipped without it.
 """
@@ -73,6 +74,89 @@ def _grpo(model, tok, out, steps: int, gradient_checkpointing: bool) -> list[int
         processing_class=tok, callbacks=[Count()])
     trainer.train()
     return compiling
+
+
+#: all a CPU test changes of a TRL config's defaults (besides ``max_steps`` and lengths): no
+#: checkpoints, no trackers, the CPU, and fp32 — bf16 autocast (the configs' default, also on
+#: a CPU) wraps ``forward`` in accelerate's autocast, which the tests of our own
+#: configurations below keep, and which hid the FP8 cache's crash on TRL's fused-LM-head
+#: ``forward`` in fp32 training
+AT_DEFAULTS = dict(save_strategy="no", report_to=[], use_cpu=True, bf16=False)
+
+
+def _every_call_scaled(model, calls: int) -> list[dict]:
+    """The assertions every client run shares: at least ``calls`` calls of the model, each
+    compiled (none ran eagerly, no scaled module was called outside it) and each running
+    every site, the rows under the model's own names; the rows."""
+    call = geoscale_call(model)
+    assert call.calls >= calls and call.eager_calls == 0 and call.probe.calls == 0
+    rows = geoscale_fx.report(model).rows
+    assert [r["site"] for r in rows] == LAYERS
+    assert all(r["steps"] == call.calls and r["overflow_steps"] == 0 for r in rows), rows
+    return rows
+
+
+def _fp8_cache_used(model, rows: list[dict]) -> None:
+    """The FP8 cache's scales: in the report's rows (none saturated), and from the live
+    weights under the checkpoint names engines load."""
+    assert all(r["k_scale"] > 0 and r["v_scale"] > 0 and r["kv_saturated"] == 0
+               for r in rows), rows
+    scales = geoscale_fx.attention_scales(model, torch.tensor([[1, 2, 3]]))
+    assert sorted(scales) == sorted(f"{layer}.{s}_scale" for layer in LAYERS
+                                    for s in ("k", "v", "q"))
+
+
+@pytest.mark.parametrize("kv_cache, checkpointing", [("fp8", True), (None, False)])
+def test_grpo_at_its_defaults(saved_llama, tmp_path, kv_cache, checkpointing):
+    """``GRPOConfig()``'s loss and generation defaults (beta 0: no reference model; TRL's
+    fused-LM-head ``forward`` on the policy; 8 completions of a prompt a step), one step,
+    completions cut to 8 tokens: the rollout's prefill and decode steps and the loss run
+    through geoscale, the FP8 cache's scales under the model's names. The compiles of
+    further steps: ``test_grpo_compiles_a_bounded_number_of_graphs``."""
+    trl = pytest.importorskip("trl")
+    path, tok = saved_llama
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    geoscale_fx.apply_(model, kv_cache=kv_cache, compiler="eager")
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), max_completion_length=8,
+                          max_steps=1, gradient_checkpointing=checkpointing, **AT_DEFAULTS)
+    assert (args.beta, args.num_generations, args.per_device_train_batch_size) == (0.0, 8, 8)
+    trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [
+        float(c.count("a")) for c in completions], args=args, train_dataset=_prompts(),
+        processing_class=tok).train()
+    assert "forward" in model.__dict__            # TRL's fused LM head, over geoscale's routing
+    rows = _every_call_scaled(model, calls=3)     # a rollout (prefill, decodes), a loss
+    if kv_cache:
+        _fp8_cache_used(model, rows)
+    else:
+        assert all(r.get("k_scale") is None for r in rows)
+
+
+@pytest.mark.parametrize("kv_cache, checkpointing", [(None, True), ("fp8", False)])
+def test_sft_at_its_defaults(saved_llama, tmp_path, kv_cache, checkpointing):
+    """``SFTConfig()``'s defaults (8 rows a device, lengths up to 1024, learning rate 2e-5),
+    two steps: every training step through geoscale, certified; with the FP8 cache, sampling
+    from the trained model (a prefill and a decode step) stores FP8 under the model's
+    names."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    path, tok = saved_llama
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    geoscale_fx.apply_(model, kv_cache=kv_cache, compiler="eager")
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    data = datasets.Dataset.from_dict({"text": ["abcabc" * (i % 3 + 1) for i in range(16)]})
+    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=2,
+                         gradient_checkpointing=checkpointing, **AT_DEFAULTS)
+    trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok).train()
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)
+    if kv_cache:
+        model.eval()
+        with torch.no_grad():
+            model.generate(tok("abc", return_tensors="pt").input_ids, max_new_tokens=2,
+                           do_sample=False)
+    rows = _every_call_scaled(model, calls=2 + (2 if kv_cache else 0))
+    assert all(r["certified"] for r in rows)          # the exact route, every training step
+    if kv_cache:
+        _fp8_cache_used(model, rows)
 
 
 def test_grpo_with_the_fp8_cache_runs_every_call_through_geoscale(saved_llama, tmp_path,

@@ -162,10 +162,21 @@ def test_trainer_with_the_wrapper_keeps_the_dataset_columns(tmp_path):
 
 
 def test_accelerate_rejects_geoscale_as_torch_compile_backend(tmp_path):
-    """docs/huggingface.md says apply_ is the route into Trainer because of this error."""
+    """docs/huggingface.md says apply_ is the route into Trainer because of this error; and
+    that ``torch_compile=True`` with a backend accelerate lists leaves a converted model's
+    calls to geoscale (accelerate's ``torch.compile`` stops at them): every step scaled."""
     args = _args(tmp_path, torch_compile_backend="geoscale")
     with pytest.raises(ValueError, match="'GEOSCALE' is not a valid DynamoBackend"):
         transformers.Trainer(model=build_hf("llama-sdpa"), args=args, train_dataset=Tokens())
+    model = geoscale_fx.apply_(build_hf("llama-sdpa").train(), compiler="eager")
+    args = _args(tmp_path, torch_compile=True, torch_compile_backend="eager",
+                 save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    call = model._compiled_call_impl
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"     # accelerate's compile
+    assert (call.calls, call.eager_calls) == (2, 0)
+    assert [r["steps"] for r in geoscale_fx.report(model).rows] == [2, 2]
 
 
 # --------------------------------------------------------------------------------------

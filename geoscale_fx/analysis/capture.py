@@ -47,6 +47,11 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
     are static by default, so a capture does not depend on earlier captures' shapes.
     ``graph_mode()``, if given, is entered around each run of a captured graph (a dispatch
     mode cannot be active while Dynamo compiles: ``weightless.ConstantProducts``).
+
+    A module is traced as its class defines it (``_fresh_forward``): a ``forward`` set on the
+    instance (a client's wrapper, accelerate's autocast) and a compiled call (``apply_``'s)
+    are left out for the capture, so the arguments are those the model's own ``forward``
+    takes, and a converted model's compiled call counts no call.
     """
     captured: list[CapturedGraph] = []
     # what the recorder reads, emptied once the capture ran: Dynamo keeps every backend it
@@ -86,29 +91,37 @@ def capture_graphs(model: torch.nn.Module | Any, *args, dynamic: bool | None = F
 
 @contextlib.contextmanager
 def _fresh_forward(model, codes: list):
-    """``model`` with a fresh copy of its forward's code (a module: its ``forward``, as an
-    instance attribute for the capture's duration, so ``model(...)`` still runs its hooks;
-    a function: the function), whose code goes into ``codes``; ``model`` itself where
-    there is no Python function to copy."""
+    """``model`` traced as its class defines it, with a fresh copy of that code, whose code
+    goes into ``codes``.
+
+    A module: its class's ``forward`` (as an instance attribute for the capture's duration,
+    so ``model(...)`` still runs its hooks), below any ``forward`` set on the instance — a
+    client's wrapper (TRL's fused LM head, whose keyword-only arguments only its own loss
+    call supplies), accelerate's autocast, geoscale's routing — and without the compiled
+    call ``apply_`` or ``model.compile()`` installed (``_compiled_call_impl``): the capture
+    calls the model with arguments of its own making, which only the model itself is
+    known to take. A class that defines no ``forward`` keeps the instance's. A function:
+    the function; ``model`` itself where there is no Python function to copy."""
     if isinstance(model, torch.nn.Module):
-        forward = model.forward
-        func = getattr(forward, "__func__", forward)
-        if not isinstance(func, types.FunctionType):
-            yield model
-            return
-        fresh = fresh_function(func)
-        codes.append(fresh.__code__)
-        had = "forward" in model.__dict__
-        previous = model.__dict__.get("forward")
-        model.forward = types.MethodType(fresh, model) if hasattr(forward, "__func__") \
-            else fresh
-        try:
-            yield model
-        finally:
-            if had:
-                model.forward = previous
-            else:
-                del model.__dict__["forward"]
+        with _without_compiled_call(model):
+            forward = _defining_forward(model)
+            func = getattr(forward, "__func__", forward)
+            if not isinstance(func, types.FunctionType):
+                yield model
+                return
+            fresh = fresh_function(func)
+            codes.append(fresh.__code__)
+            had = "forward" in model.__dict__
+            previous = model.__dict__.get("forward")
+            model.forward = types.MethodType(fresh, model) if hasattr(forward, "__func__") \
+                else fresh
+            try:
+                yield model
+            finally:
+                if had:
+                    model.forward = previous
+                else:
+                    del model.__dict__["forward"]
     elif isinstance(model, types.FunctionType):
         fresh = fresh_function(model)
         codes.append(fresh.__code__)
@@ -117,10 +130,35 @@ def _fresh_forward(model, codes: list):
         yield model
 
 
+def _defining_forward(model: torch.nn.Module):
+    """The ``forward`` the class defines, as ``model.forward`` would be without an instance
+    attribute of that name; the instance's where the class defines none (``nn.Module``'s
+    placeholder, which raises)."""
+    defined = next(k.__dict__["forward"] for k in type(model).__mro__ if "forward" in k.__dict__)
+    if defined is torch.nn.Module.__dict__["forward"]:
+        return model.forward
+    return defined.__get__(model, type(model)) if hasattr(defined, "__get__") else defined
+
+
+@contextlib.contextmanager
+def _without_compiled_call(model: torch.nn.Module):
+    """``model(...)`` runs its own ``_call_impl`` for the duration (no compiled call)."""
+    compiled = model.__dict__.get("_compiled_call_impl")
+    if compiled is None:
+        yield
+        return
+    model._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        model._compiled_call_impl = compiled
+
+
 def find_attention(model: torch.nn.Module | Any, *args, **kwargs) -> list[AttentionSite]:
     """Every attention site in ``model``'s traced forward, in execution order.
 
-    ``args``/``kwargs`` are passed to the model as in a normal call. Each site says whether
+    ``args``/``kwargs`` are passed to the model as in a normal call of its class's
+    ``forward`` (``capture_graphs``). Each site says whether
     it could be analysed (``supported``) and why not (``reason``); supported sites are bound
     to the model's current parameters (``head_weights.site_head_weights(site)``,
     ``logit_bounds.site_logit_bound(site)``, ``amax.site_amax_bounds(site)``). Use

@@ -50,9 +50,17 @@ _SHAPE_ENVS: dict = {}
 
 def fresh_function(fn: Callable) -> types.FunctionType:
     """``fn`` (a Python function) with a code object of its own: Dynamo's frame state,
-    counters and cache entries are per code object, so no two compiles share them."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
+    counters and cache entries are per code object, so no two compiles share them.
+
+    The copy is the same function otherwise: its keyword-only defaults (a wrapper's
+    ``*, labels=None``: without them a call leaving one out raises ``TypeError``), qualified
+    name and attributes (``__wrapped__``, ``__signature__``) come with it."""
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                               fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    fresh.__qualname__ = fn.__qualname__
+    fresh.__dict__.update(fn.__dict__)
+    return fresh
 
 
 def release_codes(codes: list[types.CodeType]) -> None:

@@ -140,7 +140,14 @@ class CompiledRegion:
 
 class GeoscaleCall:
     """A model's compiled call that notices when geoscale did not scale it, and keeps the
-    compiles it needs (``CompiledRegion``) counted and timed for ``report``."""
+    compiles it needs (``CompiledRegion``) counted and timed for ``report``.
+
+    Called inside another compile (accelerate's ``torch.compile(model)`` under
+    ``TrainingArguments(torch_compile=True)``, a user's compiled training step), Dynamo does
+    not trace into it (``torch.compiler.disable``: a graph break there): traced through, its
+    own compiled call would be inlined into the outer graph, never reaching geoscale's
+    backend, and every call would run without FP8. The model is compiled by geoscale, with
+    its own ``compiler``; the outer compile's backend and mode take no effect on it."""
 
     def __init__(self, compile_fn: Callable[[int], Callable], backend: GeoscaleBackend,
                  model_name: str, model: nn.Module | None = None):
@@ -167,6 +174,7 @@ class GeoscaleCall:
     def options(self) -> GeoscaleOptions:
         return self.backend.options
 
+    @torch.compiler.disable        # never inlined into another compile (the class doc)
     def __call__(self, *args, **kwargs):
         backend = self.backend
         calls, compiles = backend.graph_calls, backend.compiles

@@ -18,7 +18,8 @@ keeps the trace on the model; later calls run no forward pass and no trace: the 
 re-evaluated from the parameters when one changed (optimizer step, ``load_state_dict``,
 ``module.to``), read back otherwise. A write through ``p.data`` in place is not seen
 (``WeightKVScales``). A model converted by ``apply_`` is traced as its plain self, a
-``wrap`` wrapper as the model it wraps (whose names its ``state_dict`` has). Parameters
+``wrap`` wrapper as the model it wraps (whose names its ``state_dict`` has), a model whose
+``forward`` a client replaced (TRL's fused LM head) through its class's ``forward``. Parameters
 with inf/nan raise a ``ValueError`` naming the site and the parameter.
 
 Example::

@@ -86,8 +86,9 @@ def _layer_reads(graphs: list[CapturedGraph], layer: CacheLayer
 class WeightKVScales:
     """Certified per-layer q/k/v bounds of ``model`` from its current weights.
 
-    ``capture(*args, **kwargs)`` traces the model once (arguments as in a call; a Hugging Face
-    model is traced with ``use_cache=True``, its cache writes marked); ``layers()`` evaluates
+    ``capture(*args, **kwargs)`` traces the model once (arguments as in a call of its class's
+    ``forward``: a ``forward`` a client set on the instance, as TRL's trainers do, is not
+    called; a Hugging Face model is traced with ``use_cache=True``, its cache writes marked); ``layers()`` evaluates
     the bounds of each cache layer it writes, again only when the parameters changed (an
     in-place update, a new storage, or a parameter replaced by another tensor of the same
     name: the traced graph is then re-analysed on the new tensors, without a forward pass).
@@ -121,13 +122,10 @@ class WeightKVScales:
         return self._sites is not None
 
     def capture(self, *args, **kwargs) -> "WeightKVScales":
-        compiled, self.model._compiled_call_impl = self.model._compiled_call_impl, None
-        try:     # apply_ routes __call__ through geoscale: trace the plain model
-            graphs = traced_with_writes(
-                lambda kw: capture_graphs(self.model, *args, **kw), self.model, kwargs,
-                self.who)
-        finally:
-            self.model._compiled_call_impl = compiled
+        # the model as its class defines it (``capture_graphs``): not apply_'s compiled
+        # call, nor a forward a client set on the instance
+        graphs = traced_with_writes(lambda kw: capture_graphs(self.model, *args, **kw),
+                                    self.model, kwargs, self.who)
         names = _tensor_names(self.model)
         self._graphs = graphs
         self._names = [{i: names[id(v)] for i, v in enumerate(g.example_inputs)

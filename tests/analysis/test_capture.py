@@ -1,11 +1,16 @@
 """geoscale_fx.analysis.capture: ``capture_graphs`` records what Dynamo hands a backend and runs it as
-Dynamo would; ``find_attention`` numbers sites across graph breaks."""
+Dynamo would, tracing a module as its class defines it; ``find_attention`` numbers sites
+across graph breaks."""
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn as nn
 
+import geoscale_fx
 from geoscale_fx.analysis.capture import capture_graphs, find_attention
+from geoscale_fx.compile.attach import geoscale_call
 from tests.attention_variants import Block, QueryIsInput
 
 D = 64
@@ -64,3 +69,60 @@ def test_a_look_alike_over_normalized_vectors_is_bounded_by_their_norm():
     sites = find_attention(QueryIsInput().eval(), torch.randn(1, 4, D))
     assert len(sites) == 1 and sites[0].supported, sites[0].reason
     assert sites[0].q.weight is None and sites[0].q.source.norm == "layernorm"
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Block(), Block()
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_forward_set_on_the_instance_is_not_what_is_traced():
+    """A client's wrapper set as the instance's ``forward`` (TRL's fused LM head: keyword-only
+    arguments only its own call supplies) is never called by a capture: the class's forward
+    is traced, under the model's own names, and the wrapper is the model's again after."""
+    model = TwoBlocks().eval()
+    calls = []
+
+    def wrapper(self, x, *, fused_head):           # no default: ids alone would raise
+        calls.append(fused_head)
+        return type(self).forward(self, x)
+
+    model.forward = types.MethodType(wrapper, model)
+    routed = model.__dict__["forward"]
+    sites = find_attention(model, torch.randn(1, 4, D))
+    assert [(s.name, s.supported) for s in sites] == [("first", True), ("second", True)]
+    assert calls == [] and model.__dict__["forward"] is routed
+    model(torch.randn(1, 4, D), fused_head=True)    # the wrapper still serves real calls
+    assert calls == [True]
+
+
+def test_a_forward_only_the_instance_defines_is_traced():
+    """A module whose class defines no ``forward`` (set in its constructor) is traced
+    through the instance's."""
+    class Assigned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+            self.forward = types.MethodType(lambda self, x: self.block(x) * 2, self)
+
+    sites = find_attention(Assigned().eval(), torch.randn(1, 4, D))
+    assert [s.name for s in sites] == ["block"] and "forward" in Assigned().__dict__
+
+
+def test_a_converted_model_is_traced_plain_and_counts_no_call():
+    """``apply_``'s compiled call is left out of a capture: the model is not compiled with
+    geoscale inside the recorder, and its call counts nothing (it used to count an eager
+    call, and warn that the model ran without FP8)."""
+    model = TwoBlocks().eval()
+    geoscale_fx.apply_(model, compiler="eager")
+    call = geoscale_call(model)
+    sites = find_attention(model, torch.randn(1, 4, D))
+    assert [s.name for s in sites] == ["first", "second"]
+    assert (call.calls, call.eager_calls, call.backend.compiles) == (0, 0, 0)
+    assert model._compiled_call_impl is call
+    model(torch.randn(1, 4, D))
+    assert (call.calls, call.eager_calls) == (1, 0) and len(call.backend.records) == 2

@@ -60,3 +60,20 @@ def test_release_leaves_other_compiles_alone():
     assert all(g() is not None for g in kept_guards)
     assert kept_envs[0]() is not None and kept_envs[0]().tracked_fakes is not None
     release_codes([kept])
+
+
+def test_a_fresh_copy_is_the_same_function_but_its_code():
+    """A wrapper's keyword-only defaults come with the copy (TRL's fused-LM-head forward,
+    ``*, fused_lm_head=False, labels=None``: a copy without them raised ``TypeError`` when
+    called with ids alone), and so do its qualified name and attributes."""
+    def wrapper(x, scale=2, *, shift=1, labels=None):
+        return x * scale + shift if labels is None else labels
+
+    wrapper.__wrapped__ = _scaled
+    fresh = fresh_function(wrapper)
+    assert fresh.__code__ is not wrapper.__code__
+    assert fresh(3) == wrapper(3) == 7 and fresh(3, shift=0, labels=5) == 5
+    assert fresh.__kwdefaults__ == {"shift": 1, "labels": None}
+    assert fresh.__qualname__ == wrapper.__qualname__ and fresh.__wrapped__ is _scaled
+    compiled = torch.compile(fresh_function(wrapper), backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))

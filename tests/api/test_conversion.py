@@ -48,6 +48,23 @@ def test_already_compiled_or_wrapped_models_are_refused(prepare, message):
         apply_(prepare(_block()), compiler="aot_eager")
 
 
+def test_a_converted_model_called_inside_another_compile_keeps_geoscale():
+    """accelerate's ``torch.compile(model)`` (``TrainingArguments(torch_compile=True)``) or a
+    user's compiled step around a converted model: Dynamo stops at geoscale's call instead
+    of inlining it (which ran the attention without FP8, an eager call each time); the
+    outputs are the converted model's."""
+    model = apply_(_block(), compiler="eager")
+    call = model._compiled_call_impl
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        expected = model(x)
+        step = torch.compile(lambda m, x: m(x) * 2, backend="eager")
+        outer = torch.compile(model, backend="eager")(x), step(model, x)
+    assert (call.calls, call.eager_calls, call.backend.graph_calls) == (3, 0, 3)
+    torch.testing.assert_close(outer[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(outer[1], 2 * expected, rtol=0, atol=0)
+
+
 def test_non_module_and_unknown_option_are_refused():
     with pytest.raises(TypeError, match="expected an nn.Module, got function"):
         apply_(lambda x: x, compiler="aot_eager")

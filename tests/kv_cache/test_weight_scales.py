@@ -7,6 +7,8 @@ bounds as they were; a parameter replaced by a new tensor is followed without a 
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -120,3 +122,26 @@ def test_inference_mode_parameters_are_evaluated_every_call():
         model.model.layers[1].self_attn.k_proj.weight.mul_(8.0)
     torch.testing.assert_close(source.layers()[1].k_bound, 8.0 * before[1].k_bound,
                                rtol=1e-9, atol=0)
+
+
+def test_a_forward_a_client_set_on_the_model_is_never_called(traces):
+    """TRL's GRPO replaces ``model.forward`` by a fused-LM-head wrapper; the FP8 cache's
+    capture (ids alone) called it and failed. The capture traces the class's forward: the
+    same cache layers and bounds as the model without the wrapper, under its own names, and
+    the wrapper is not called."""
+    model = build_hf("llama-sdpa")
+    plain = WeightKVScales(model).capture(_ids()).layers()
+    calls = []
+
+    def fused_forward(self, *args, fused_lm_head, labels, **kwargs):    # no defaults
+        calls.append(fused_lm_head)
+        return type(self).forward(self, *args, labels=labels, **kwargs)
+
+    model.forward = types.MethodType(fused_forward, model)
+    layers = WeightKVScales(model).capture(_ids()).layers()
+    assert calls == [] and len(traces) == 2
+    assert [(s.layer, s.site) for s in layers] == [(s.layer, s.site) for s in plain] == [
+        (i, f"model.layers.{i}.self_attn") for i in range(2)]
+    for a, b in zip(layers, plain):     # the same weights along the same path
+        assert all(torch.equal(x, y) for x, y in zip((a.q_bound, a.k_bound, a.v_bound),
+                                                     (b.q_bound, b.k_bound, b.v_bound)))
