@@ -14,7 +14,8 @@ values are compared by what is guaranteed:
   the reference (a float64 recomputation of the exact value), and at most ``K`` ulps of
   ``actual``'s dtype (or ``rtol`` relative) above it;
 * ``assert_close_ulps(a, b, ulps=K)`` — two computations of one value with no direction
-  guaranteed between them: within ``K`` ulps of each other.
+  guaranteed between them: within ``K`` ulps of each other; ``assert_tensors_close_ulps``
+  for two ``{name: tensor}`` maps (the same names and dtypes, each pair within ``K`` ulps).
 
 "Never below" allows the reference's own float64 rounding, ``F64_SLACK = 2⁻³⁶`` relative: a
 float64 sum over d terms is within ~d·2⁻⁵³ of the exact one (≈ 2⁻⁴⁰ at d = 8192), and one
@@ -39,7 +40,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["F64_SLACK", "SCALE_ULPS", "f32_sum_ulps", "ulp", "assert_certified",
-           "assert_close_ulps"]
+           "assert_close_ulps", "assert_tensors_close_ulps"]
 
 #: the relative float64 rounding a reference may carry: "never below" means ``≥ r·(1 − 2⁻³⁶)``
 F64_SLACK = 2.0 ** -36
@@ -131,3 +132,14 @@ def assert_close_ulps(a, b, *, ulps: int, dtype: torch.dtype | None = None,
         raise AssertionError(f"{msg}: more than {ulps} {dtype} ulps apart at "
                              f"{int(far.sum())} of {x.numel()} entries\n"
                              f"{_listing(far, x, y, dtype)}")
+
+
+def assert_tensors_close_ulps(got: dict, ref: dict, *, ulps: int, msg: str = "") -> None:
+    """Two ``{name: tensor}`` maps (exported scales, say): the same names, each pair of the same
+    dtype and shape and within ``ulps`` ulps (``assert_close_ulps``)."""
+    if got.keys() != ref.keys():
+        raise AssertionError(f"{msg}: names differ: {sorted(got.keys() ^ ref.keys())}")
+    for name, t in ref.items():
+        if got[name].dtype != t.dtype:
+            raise AssertionError(f"{msg}: {name}: dtype {got[name].dtype}, expected {t.dtype}")
+        assert_close_ulps(got[name], t, ulps=ulps, msg=f"{msg} {name}".strip())

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from geoscale_fx.core.bounds import round_up_f32
-from tests.float_checks import (F64_SLACK, assert_certified, assert_close_ulps, f32_sum_ulps,
-                                ulp)
+from tests.float_checks import (F64_SLACK, assert_certified, assert_close_ulps,
+                                assert_tensors_close_ulps, f32_sum_ulps, ulp)
 
 
 def _steps(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,3 +109,15 @@ def test_two_float32_summation_orders_stay_within_f32_sum_ulps():
             for s in (forward, backward, x.sum()):              # each: n − 1 ulps
                 assert_close_ulps(s, exact, ulps=f32_sum_ulps(n) // 2, dtype=torch.float32)
             assert_close_ulps(forward, backward, ulps=f32_sum_ulps(n))
+
+
+def test_maps_of_tensors_need_the_same_names_and_dtypes_and_close_values():
+    ref = {"a.k_scale": torch.tensor([0.5, 2.0]), "a.v_scale": torch.tensor([1.0])}
+    near = {"a.k_scale": _steps(ref["a.k_scale"], 1), "a.v_scale": ref["a.v_scale"]}
+    assert_tensors_close_ulps(near, ref, ulps=1)
+    with pytest.raises(AssertionError, match="a.k_scale: more than 0"):
+        assert_tensors_close_ulps(near, ref, ulps=0)
+    with pytest.raises(AssertionError, match=r"names differ: \['a.v_scale'\]"):
+        assert_tensors_close_ulps({"a.k_scale": ref["a.k_scale"]}, ref, ulps=1)
+    with pytest.raises(AssertionError, match="dtype torch.float64"):
+        assert_tensors_close_ulps({**ref, "a.v_scale": ref["a.v_scale"].double()}, ref, ulps=1)
