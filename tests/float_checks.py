@@ -81,6 +81,10 @@ def _pair(actual, reference) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     return actual.detach().cpu().double(), reference.detach().cpu().double(), actual.dtype
 
 
+def _where(msg: str) -> str:
+    return f"{msg}: " if msg else ""
+
+
 def _listing(mask, a, r, dtype, limit: int = 5) -> str:
     where = mask.nonzero().tolist()
     gap = (a - r) / ulp(r, dtype)
@@ -99,17 +103,18 @@ def assert_certified(actual, reference, *, ulps: int = SCALE_ULPS, rtol: float =
     a, r, dtype = _pair(actual, reference)
     finite = torch.isfinite(r)
     if not torch.equal(a[~finite], r[~finite]):
-        raise AssertionError(f"{msg}: infinite reference, actual differs\n"
+        raise AssertionError(f"{_where(msg)}infinite reference, actual differs\n"
                              f"{_listing(~finite & (a != r), a, r, dtype)}")
     a, r = a.where(finite, 0.0), r.where(finite, 0.0)
     below = a < r - F64_SLACK * r.abs()
     if below.any():
-        raise AssertionError(f"{msg}: below its certified reference at {int(below.sum())} of "
-                             f"{a.numel()} entries\n{_listing(below, a, r, dtype)}")
+        raise AssertionError(f"{_where(msg)}below its certified reference at "
+                             f"{int(below.sum())} of {a.numel()} entries\n"
+                             f"{_listing(below, a, r, dtype)}")
     room = torch.maximum(ulps * ulp(r, dtype), rtol * r.abs())
     above = a > r + room
     if above.any():
-        raise AssertionError(f"{msg}: more than {ulps} ulps / rtol {rtol} above its "
+        raise AssertionError(f"{_where(msg)}more than {ulps} ulps / rtol {rtol} above its "
                              f"reference at {int(above.sum())} of {a.numel()} entries\n"
                              f"{_listing(above, a, r, dtype)}")
 
@@ -124,12 +129,12 @@ def assert_close_ulps(a, b, *, ulps: int, dtype: torch.dtype | None = None,
     dtype = dtype or max((a.dtype, b.dtype), key=lambda t: torch.finfo(t).eps)
     finite = torch.isfinite(x) & torch.isfinite(y)
     if not torch.equal(x[~finite], y[~finite]):
-        raise AssertionError(f"{msg}: infinities differ\n"
+        raise AssertionError(f"{_where(msg)}infinities differ\n"
                              f"{_listing(~finite & (x != y), x, y, dtype)}")
     x, y = x.where(finite, 0.0), y.where(finite, 0.0)
     far = (x - y).abs() > ulps * ulp(torch.maximum(x.abs(), y.abs()), dtype)
     if far.any():
-        raise AssertionError(f"{msg}: more than {ulps} {dtype} ulps apart at "
+        raise AssertionError(f"{_where(msg)}more than {ulps} {dtype} ulps apart at "
                              f"{int(far.sum())} of {x.numel()} entries\n"
                              f"{_listing(far, x, y, dtype)}")
 
@@ -138,8 +143,9 @@ def assert_tensors_close_ulps(got: dict, ref: dict, *, ulps: int, msg: str = "")
     """Two ``{name: tensor}`` maps (exported scales, say): the same names, each pair of the same
     dtype and shape and within ``ulps`` ulps (``assert_close_ulps``)."""
     if got.keys() != ref.keys():
-        raise AssertionError(f"{msg}: names differ: {sorted(got.keys() ^ ref.keys())}")
+        raise AssertionError(f"{_where(msg)}names differ: {sorted(got.keys() ^ ref.keys())}")
     for name, t in ref.items():
         if got[name].dtype != t.dtype:
-            raise AssertionError(f"{msg}: {name}: dtype {got[name].dtype}, expected {t.dtype}")
+            raise AssertionError(f"{_where(msg)}{name}: dtype {got[name].dtype}, "
+                                 f"expected {t.dtype}")
         assert_close_ulps(got[name], t, ulps=ulps, msg=f"{msg} {name}".strip())
