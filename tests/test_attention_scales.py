@@ -16,6 +16,7 @@ from geoscale_fx.kv_cache import weight_scales as weight_kv_scales
 from geoscale_fx.export.kv_scales import export_kv_scales
 from tests.analysis_checks import scale_up_gains_and_biases
 from tests.hf_models import build_hf
+from tests.float_checks import assert_certified
 
 pytestmark = pytest.mark.zoo
 
@@ -171,10 +172,10 @@ def test_a_replaced_parameter_is_followed_without_a_trace(traces):
 
 def test_rotary_pair_bound_equals_explicit_spectral_norms():
     """Llama's k bound (RoPE, rotate_half pairs ``(i, i + d_h/2)``) against ``torch.linalg``:
-    ``√d · max_i ‖diag(g) [w_i w_p]‖₂`` per kv head, in float64, from the parameters. Equal
-    to 2⁻²³ relative: the library folds ``g·W`` in float32 (``spectral.fold_affine``), one
-    rounding per entry, ≤ 2⁻²⁴ relative on each norm; a wrong pairing or norm would be off
-    by far more."""
+    ``√d · max_i ‖diag(g) [w_i w_p]‖₂`` per kv head, in float64, from the parameters: never
+    below it and within 1e-12 relative (the library folds ``g·W`` in float64 and takes the
+    2×2 Gram matrix's largest eigenvalue in closed form, torch.linalg an SVD; float32
+    folding came out up to 2⁻²⁴ under); a wrong pairing or norm would be off by far more."""
     model = build_hf("llama-sdpa")
     scale_up_gains_and_biases(model)
     source = weight_kv_scales.WeightKVScales(model).capture(_ids(1, 8))
@@ -187,7 +188,7 @@ def test_rotary_pair_bound_equals_explicit_spectral_norms():
     half = d_h // 2
     pairs = torch.stack([a[:, :half], a[:, half:]], dim=-1)                     # (n, m, d, 2)
     expected = d ** 0.5 * torch.linalg.matrix_norm(pairs, ord=2).amax(dim=-1)   # (n_kv,)
-    torch.testing.assert_close(layer.k_bound, expected, rtol=2.0 ** -23, atol=0)
+    assert_certified(layer.k_bound, expected, rtol=1e-12)
 
 
 @pytest.mark.parametrize("key, parameter", [

@@ -352,9 +352,13 @@ def test_state_dict_round_trip_in_a_fresh_process_gives_the_same_first_scales(tm
             p.add_(0.0)                    # (unchanged weights would reuse the last bound)
         wrapped(**batches[3])
     expected = torch.stack([r.state.scale for r in wrapped.geoscale.records.values()])
+    # the same computation as the parent's last step, so the same bits, with the parent's
+    # thread count: a pytest-xdist worker runs on fewer threads than a fresh process would,
+    # and a reduction split over more threads sums in another order
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(_repo())!r})
+        torch.set_num_threads({torch.get_num_threads()})
         import geoscale_fx, models_zoo
         ckpt = torch.load({str(tmp_path / 'ckpt.pt')!r})
         zoo = models_zoo.get("nanogpt", seed=123)          # different init: weights come from ckpt

@@ -36,6 +36,7 @@ from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx.testing import hf_configs
 from geoscale_fx.export.kv_scales import export_kv_scales
 from geoscale_fx.kv_cache.layers import cache_layer_classes
+from tests.float_checks import SCALE_ULPS, assert_tensors_close_ulps
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo
@@ -108,8 +109,9 @@ def test_both_routes_bound_what_the_model_caches(case, tmp_path):
     model = _loaded(ckpt)
     ids = hf_configs.token_inputs(model, seq_len=8)["input_ids"]
     ref = export_kv_scales(model, tmp_path / "in-memory", input_ids=ids, strategy="head")
-    assert got.tensors.keys() == ref.tensors.keys()
-    assert all(torch.equal(got.tensors[n], t) for n, t in ref.tensors.items())
+    # both routes round up float64 bounds of the same per-head math: a float64 sum in another
+    # order (other head batches, other kernels) can move a round-up by one float32 ulp
+    assert_tensors_close_ulps(got.tensors, ref.tensors, ulps=SCALE_ULPS, msg=case)
     sites = [f"model.layers.{i}.self_attn" for i in written]
     assert got.cache_layers == dict(zip(written, sites)) and sorted(got.not_cached) == unwritten
     assert got.latent == (tuple(sites) if latent else ())

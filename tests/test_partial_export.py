@@ -26,6 +26,7 @@ from geoscale_fx.cli import main
 from geoscale_fx.export.kv_scales import export_kv_scales
 from geoscale_fx.kv_cache.manager import KVCacheManager
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
+from tests.float_checks import SCALE_ULPS, assert_tensors_close_ulps
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo
@@ -91,8 +92,9 @@ def test_both_routes_agree_and_the_scales_bound_what_layer_0_caches(ckpt, tmp_pa
     model = _loaded(ckpt)
     ref = export_kv_scales(model, tmp_path / "in-memory", input_ids=_ids(model),
                            strategy="head")
-    assert got.tensors.keys() == ref.tensors.keys()
-    assert all(torch.equal(got.tensors[n], t) for n, t in ref.tensors.items())
+    # both routes round up float64 bounds of the same per-head math: a float64 sum in another
+    # order (other head batches, other kernels) can move a round-up by one float32 ulp
+    assert_tensors_close_ulps(got.tensors, ref.tensors, ulps=SCALE_ULPS)
     assert got.left_at_default == ref.left_at_default and got.not_cached == ref.not_cached
     eager = _loaded(ckpt, attn_implementation="eager")
     layers, notes = cached_amax(eager, [SITE(0), SITE(2)], _prompts(eager))

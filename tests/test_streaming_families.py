@@ -37,6 +37,7 @@ import torch
 from bench.export_families import _prompts, cached_amax, compare_with_cache
 from geoscale_fx.testing import hf_configs
 from geoscale_fx.export.kv_scales import export_kv_scales
+from tests.float_checks import SCALE_ULPS, assert_tensors_close_ulps
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.zoo
@@ -66,9 +67,10 @@ def test_streamed_equals_in_memory_and_bounds_the_cache(model_type, tmp_path):
     ckpt = _saved(model_type, tmp_path / "ckpt")
     got = export_kv_scales(ckpt, tmp_path / "streamed", strategy="head")
     ref = _in_memory(ckpt, tmp_path / "in-memory")
-    assert got.tensors.keys() == ref.tensors.keys() and len(got.tensors) >= 6
-    for name, t in ref.tensors.items():
-        assert torch.equal(got.tensors[name], t), name
+    assert len(got.tensors) >= 6
+    # both routes round up float64 bounds of the same per-head math: a float64 sum in another
+    # order (other head batches, other kernels) can move a round-up by one float32 ulp
+    assert_tensors_close_ulps(got.tensors, ref.tensors, ulps=SCALE_ULPS, msg=model_type)
     model = _loaded(ckpt, attn_implementation="eager")
     sites = sorted({n.rsplit(".", 1)[0] for n in got.tensors})
     layers, notes = cached_amax(model, sites, _prompts(model))

@@ -40,7 +40,7 @@ def side_amax(side: Side, resolve) -> torch.Tensor:
     if side.observed:
         raise ValueError("keys read from a cache are bounded by their actual values when the "
                          "graph runs, not from the weights")
-    a, c = head_weights.side_heads(side, resolve)
+    a, c = head_weights.side_heads(side, resolve, dtype=torch.float64)   # exact fold
     c = None if c is None else c.detach().double()
     rho = head_weights.side_radius(side, resolve)
     if side.rotary is not None and not side.pairs:     # stacked rotations: the head's norm
@@ -64,11 +64,12 @@ def side_amax(side: Side, resolve) -> torch.Tensor:
 
 
 def _rows(a: torch.Tensor) -> torch.Tensor:
-    """``(n, d_h, d)`` float64: column ``a_i`` of each head as a row. Exact (a float32 entry
-    is a float64 one), and products of two entries are exact in float64: the only roundings
-    below are the float64 sums' and square roots'. The copy keeps the weight's memory order
-    (rows are contiguous for ``nn.Linear``, strided for a ``Conv1D``): a transposing copy
-    would cost more than the reductions it feeds."""
+    """``(n, d_h, d)`` float64: column ``a_i`` of each head as a row, a view of the float64
+    fold (``side_heads(..., dtype=torch.float64)``: ``g ⊙ w`` of two float32 factors is exact
+    there, and ``c`` a float64 sum), so the only roundings below are float64's (2⁻⁵³ relative
+    each), far under the float32 ulp a scale is rounded up to. The fold's copy keeps the
+    weight's memory order (rows are contiguous for ``nn.Linear``, strided for a
+    ``Conv1D``): a transposing copy would cost more than the reductions it feeds."""
     return a.detach().transpose(-1, -2).double()
 
 

@@ -152,12 +152,21 @@ def key_head_norms(keys: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
     return norms.movedim(head_axis, -1).reshape(-1, norms.shape[head_axis]).amax(dim=0)
 
 
-def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None."""
+def side_heads(side: Side, resolve: Resolve, dtype: Optional[torch.dtype] = None
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None.
+
+    ``dtype=torch.float64`` folds exactly what a certified bound needs: ``diag(g)·W`` and a
+    composed weight (LoRA, ``s·B·A``) then carry no float32 rounding, and ``c = Wᵀβ + b`` is a
+    float64 sum (a float32 one lands up to ~d·2⁻²⁴ relative under the true value, so a scale
+    rounded up from it could still sit below the bound). Default: the weights' own dtype
+    (float32 at least), what the per-step estimators iterate on."""
     if side.observed:
         return observed_heads(side, resolve)
     if side.weight is None:
         return _normalized_heads(side, resolve)
+    if dtype is not None and (side.inner is not None or side.low_rank):
+        resolve = _resolving_as(resolve, dtype)          # the composition rounds too
     weight = resolve(side.weight)
     if side.inner is not None:           # s·B·A
         weight = side.weight_scale * (weight @ resolve(side.inner))
@@ -165,6 +174,8 @@ def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[tor
         extra = resolve(b) if a is None else resolve(b) @ resolve(a)
         weight = weight + ratio * (extra if side.layout == "linear" else extra.t())
     w_heads = gather_heads(weight, side.layout, side.features)
+    if dtype is not None:                # the side's share of the weight, not all of it
+        w_heads = w_heads.detach().to(dtype)
     bias = resolve(side.bias) if side.bias is not None else None
     bias_heads = gather_bias(bias, side.features, side.bias_offset)
     gain, offset = fold_channel_ops(side.source.channel_ops, resolve, side.source.width)
@@ -173,6 +184,13 @@ def side_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, Optional[tor
     if offset is not None:
         offset = offset.to(device=w_heads.device, dtype=w_heads.dtype)
     return spectral.fold_affine(w_heads, gain, offset, bias_heads)
+
+
+def _resolving_as(resolve: Resolve, dtype: torch.dtype) -> Resolve:
+    def cast(name: str):
+        value = resolve(name)
+        return value.detach().to(dtype) if isinstance(value, torch.Tensor) else value
+    return cast
 
 
 def side_radius(side: Side, resolve: Resolve):

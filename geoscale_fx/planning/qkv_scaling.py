@@ -158,12 +158,14 @@ class OperandScaling(ScalingPolicy):
         return round_up_f32(bound.double() / fp8_max(self.options.fp8_format))
 
     def _descale(self, bound: torch.Tensor) -> torch.Tensor:
+        """``B / (η·R_max)`` per kv head, float32 rounded up (to nearest, half the descales
+        fell one ulp under it: with η = 1 an entry at the bound then lands above R_max)."""
         n_kv = self.site.n_kv_heads
         per_kv = group_descale(bound, n_kv)                   # q: max over each GQA group
         if self.options.granularity == "layer":
             per_kv = per_kv.amax().expand(n_kv)
-        return bounds.scale_factor(per_kv, eta=self.options.eta,
-                                   fmt=self.options.fp8_format).float()
+        return round_up_f32(bounds.scale_factor(per_kv, eta=self.options.eta,
+                                                fmt=self.options.fp8_format))
 
     def record(self, operands: tuple[torch.Tensor, ...], descales: tuple[torch.Tensor, ...],
                state: dict) -> None:

@@ -1,6 +1,7 @@
 """geoscale_fx.export.serving_scales: ``attention_scales`` on a hand-built block (no Hugging Face):
-the k/v/q scales against the entry bound recomputed in float64 from the live weights, the
-model's train/eval flags left as they were, and the wrapper's names.
+the k/v/q scales against the entry bound recomputed in float64 from the live weights (never
+below it, at most one float32 ulp above: ``tests/float_checks.py``), the model's train/eval
+flags left as they were, and the wrapper's names.
 tests/test_attention_scales.py covers Hugging Face models and the RL-loop workflow."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 from geoscale_fx.export.serving_scales import attention_scales
 from geoscale_fx.api.wrapper import wrap
 from tests.attention_variants import Block
+from tests.float_checks import SCALE_ULPS, assert_certified
 
 D, H, DH = 64, 4, 16
 
@@ -23,12 +25,6 @@ def _model() -> nn.Module:
 
 def _x():
     return torch.randn(1, 6, D, generator=torch.Generator().manual_seed(0))
-
-
-def _f32_up(x: torch.Tensor) -> torch.Tensor:
-    """Smallest float32 ≥ x (float64 reference)."""
-    f = x.float()
-    return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f)
 
 
 def _entry_bound(linear: nn.Linear, norm: nn.LayerNorm) -> torch.Tensor:
@@ -52,9 +48,10 @@ def test_scales_are_the_entry_bounds_of_the_live_weights():
         inputs = (_x(),) if step == 0 else ()          # traced once, then live weights only
         scales = attention_scales(model, *inputs, strategy="head")
         assert sorted(scales) == ["attn.k_scale", "attn.q_scale", "attn.v_scale"]
-        for kind in "qkv":
-            ref = _f32_up(_entry_bound(getattr(block, kind), block.norm) / 448.0)
-            assert torch.equal(scales[f"attn.{kind}_scale"].flatten(), ref), (step, kind)
+        for kind in "qkv":       # in [B/448, B/448 + 1 ulp): rounded up from a float64 bound
+            ref = _entry_bound(getattr(block, kind), block.norm) / 448.0
+            assert_certified(scales[f"attn.{kind}_scale"].flatten(), ref, ulps=SCALE_ULPS,
+                             msg=f"step {step}, {kind}")
         with torch.no_grad():                  # an update: the next call, no inputs, sees it
             block.k.weight.mul_(3.0)
 
@@ -63,8 +60,9 @@ def test_per_tensor_scale_is_the_largest_head_and_q_can_be_left_out():
     model = _model()
     scales = attention_scales(model, _x(), include_q=False)
     assert sorted(scales) == ["attn.k_scale", "attn.v_scale"]
-    ref = _f32_up(_entry_bound(model.attn.v, model.attn.norm).max() / 448.0)
-    assert scales["attn.v_scale"].shape == (1,) and float(scales["attn.v_scale"]) == float(ref)
+    ref = _entry_bound(model.attn.v, model.attn.norm).max() / 448.0
+    assert scales["attn.v_scale"].shape == (1,)
+    assert_certified(scales["attn.v_scale"], ref.reshape(1), ulps=SCALE_ULPS)
 
 
 def test_the_trace_runs_in_eval_mode_and_each_flag_is_restored():

@@ -13,6 +13,7 @@ from geoscale_fx.analysis.capture import find_attention
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.planning.qkv_scaling import OperandScaling, Read
 from tests.hf_models import build_hf
+from tests.float_checks import SCALE_ULPS, assert_certified
 
 
 def test_fp8_cache_read_bound_by_hand():
@@ -58,7 +59,7 @@ def test_descales_are_the_amax_bounds_over_eta_r_max(llama_site, eta, fmt):
     q_per_kv = torch.stack([found["q"][0:2].max(), found["q"][2:4].max()])   # GQA groups
     for got, bound in ((dq, q_per_kv), (dk, found["k"]), (dv, found["v"])):
         assert got.shape == (2,) and got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), bound / (eta * r_max), rtol=1e-6, atol=0)
+        assert_certified(got, bound / (eta * r_max), ulps=SCALE_ULPS)   # rounded up
     # the state repeats each kv head's descale over its query heads
     assert torch.equal(state["k_scale"], dk.repeat_interleave(2))
     assert torch.equal(state["q_bound"], found["q"].float())
