@@ -80,8 +80,10 @@ def test_two_grpo_steps_report_every_source_on_both_models(tmp_path, monkeypatch
     result = rl.rl_rollouts(ctx)
     big = "tiny-llama, keys ×4096"
     assert [(r["model"], r["source"]) for r in result.rows] == [
-        (m, s) for m in ("tiny-llama", big) for s in rl.SOURCES]
+        (m, s) for m in ("tiny-llama", big) for s in (*rl.SOURCES, rl.BAND_ROW)]
     rows = {(r["model"], r["source"]): r for r in result.rows}
+    low, high = map(float, rows[big, rl.BAND_ROW]["mean |Δ log p|"].split("–"))
+    assert low <= rows[big, rl.SOURCES[0]]["mean |Δ log p|"] <= high and low < high
     runs = result.data["runs"]
     assert [s["sync"] for s in runs["tiny-llama"]["per_sync"]] == [1]
     for model in ("tiny-llama", big):

@@ -39,11 +39,12 @@ from bench.scenarios.rl_sources import (
     percentile_scales, unit_scales,
 )
 from bench.runner import Context, ScenarioResult
-from bench.scenarios.kv_cache import FMT, _cache, _utilization
+from bench.scenarios.kv_cache import FMT, _cache, _shifted, _utilization
 from bench.sync_cost import RL_BATCH, calibration_flops, geoscale_flops
 from geoscale_fx.kv_cache.manager import cache_argument
 
-__all__ = ["rl_rollouts", "SOURCES", "KEY_FACTOR", "rollout_logits", "seven_sources"]
+__all__ = ["rl_rollouts", "SOURCES", "KEY_FACTOR", "BAND_ROW", "rollout_logits",
+           "seven_sources"]
 
 log = logging.getLogger("bench")
 
@@ -52,6 +53,9 @@ PROMPT_LEN, COMPLETION_LEN, PROMPTS, GENERATIONS = 24, 24, 2, 4
 KEY_FACTOR = 256.0
 #: the 7B shape whose FLOPs per sync the table gives
 FLOP_SHAPE = "Llama-2-7B"
+#: geoscale's scales are also measured × 2^(k/4) for these k: the rounding-noise band
+BAND = (1, 2, 3)
+BAND_ROW = "geoscale × 2^(k/4), k = 0..3"
 
 
 def _tokenizer():
@@ -128,6 +132,10 @@ def _measure(engine, policy, tokens, trainer_batch, static: tuple) -> dict:
             "range used": None if layer_scales is None else _utilization(cache, layer_scales),
             "max k scale": None if layer_scales is None else max(
                 float(s.scales(FMT)[0].max()) for s in layer_scales)}
+    for k in BAND:          # geoscale's scales × 2^(k/4): still certified, the grid moved
+        cache = _cache(engine, _shifted(scale_sets[0], 2 ** (k / 4)))[0]
+        found[f"band {k}"] = token_log_ratios(trainer, rollout_logits(engine, tokens, cache),
+                                              tokens[:, PROMPT_LEN:])
     return found
 
 
@@ -198,7 +206,7 @@ def _train(lm, ctx: Context, steps: int, lr: float) -> dict:
 def _summary(sync: dict) -> dict:
     """One sync for results.json: every number, no tensors."""
     return {k: ({n: x for n, x in v.items() if n != "delta"} if k in SOURCES else v)
-            for k, v in sync.items()}
+            for k, v in sync.items() if not k.startswith("band ")}
 
 
 def _median(values: list[float]) -> float:
@@ -229,7 +237,22 @@ def _rows(name: str, run: dict) -> list[dict]:
             "range used": None if used[0] is None else _median(used),
             "ms / sync": 1e3 * _median(timed) if timed else 0.0,
             "7B GFLOP / sync": flops.get(source, 0.0) / 1e9})
-    return rows
+    return rows + [_band_row(name, per_sync, rows[0])]
+
+
+def _band_row(name: str, per_sync: list[dict], geoscale: dict) -> dict:
+    """Each column's range over geoscale's scales × 2^(k/4), k = 0..3 (the geoscale row
+    and ``BAND``): what moving the rounding grid alone does to it."""
+    tails = [log_ratio_tails([s[f"band {k}"] for s in per_sync]) for k in BAND]
+    columns = {"mean |Δ log p|": "mean", "p99.9 |Δ log p|": "p99.9", "max |Δ log p|": "max",
+               "seq |ΣΔ| p99": "seq p99", "seq |ΣΔ| max": "seq max",
+               "tokens w>2": "tokens w > 2", "seqs w∉[½,2]": "seqs w outside [1/2, 2]",
+               "seqs geo∉band": "seqs outside geometric band"}
+    row = {"model": name, "source": BAND_ROW}
+    for column, key in columns.items():
+        values = [geoscale[column]] + [t[key] for t in tails]
+        row[column] = f"{min(values):.3g}–{max(values):.3g}"
+    return row
 
 
 def rl_rollouts(ctx: Context) -> ScenarioResult:
@@ -270,7 +293,9 @@ def _notes(steps: int, lr: float, trl_version: str, drift: str, runs: dict) -> s
         f"{TIS_CAP:g} (verl's rollout_is_threshold); "
         f"'seqs w∉[½,2]': sequences whose weight exp(ΣΔ) a sequence-level mask at 2 drops; "
         f"'seqs geo∉band': exp(mean Δ) outside {list(GEOMETRIC_BAND)} (verl's geometric "
-        f"rejection). Percentile: p{100 * PERCENTILE:g} of |k|, |v| per layer × {MARGIN}, "
+        f"rejection). '{BAND_ROW}': each column's range with geoscale's scales × 2^(k/4) "
+        f"(all certified, only E4M3's grid moves): a difference between sources inside it "
+        f"is rounding noise, not the source. Percentile: p{100 * PERCENTILE:g} of |k|, |v| per layer × {MARGIN}, "
         f"over the trainer's batch at the synced weights (NeMo-RL); max-abs the same batch's "
         f"max; static min-max: max over 8×64 bytes of text before training. 'saturated': "
         f"cache entries clamped at 448, summed over syncs (syncs with any). 'range used': "
