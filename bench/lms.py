@@ -14,7 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "minilm_lm", "QUICK_PRETRAIN_STEPS"]
+__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "minilm_lm", "large_key_lm",
+           "scale_keys", "key_value_parameters", "projection_snapshot", "projection_drift",
+           "QUICK_PRETRAIN_STEPS"]
 
 #: the quick profile trains its byte-level LMs for fewer, smaller steps (a separate cache
 #: entry): about a minute each on 2 cores, so a first run stays within ten minutes
@@ -83,6 +85,78 @@ def pretrained_lm(family: str, profile: str = "quick") -> BenchLM:
 
     return BenchLM(f"pretrained-{family}", build, batch,
                    info={"val_loss": metrics.get("val_loss"), "steps": metrics.get("steps")})
+
+
+def _attentions(model: nn.Module) -> list[nn.Module]:
+    """The attention modules with a key projection (``k_proj``, or GPT-2's fused
+    ``c_attn``) and a softmax scale (``scaling``), in order."""
+    found = [m for m in model.modules() if hasattr(m, "scaling")
+             and (hasattr(m, "k_proj") or hasattr(m, "c_attn"))]
+    if not found:
+        raise ValueError(f"no attention with a key projection and a 'scaling' in "
+                         f"{type(model).__name__}")
+    return found
+
+
+def key_value_parameters(attn: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """``{"k": [weight, bias], "v": [...]}`` of one attention: its ``k_proj``/``v_proj``, or
+    views of the key and value columns of GPT-2's fused ``c_attn`` (Conv1D ``(d, 3d)``:
+    columns ``[q | k | v]``); a missing bias is left out."""
+    if hasattr(attn, "k_proj"):
+        parts = {"k": attn.k_proj, "v": attn.v_proj}
+        return {r: [t for t in (m.weight, m.bias) if t is not None] for r, m in parts.items()}
+    d, c_attn = attn.split_size, attn.c_attn
+    return {r: [t for t in (c_attn.weight[:, i * d:(i + 1) * d],
+                            None if c_attn.bias is None else c_attn.bias[i * d:(i + 1) * d])
+                if t is not None] for r, i in (("k", 1), ("v", 2))}
+
+
+def scale_keys(model: nn.Module, factor: float) -> nn.Module:
+    """Keys ``× factor`` with the same logits: every attention's key projection (weight and
+    bias: ``k_proj``, or the key columns of GPT-2's fused ``c_attn``) times ``factor`` and
+    its softmax scale (the module's ``scaling``) divided by it. With a power of two the
+    logits are the same floats, bit for bit. In place; returns ``model``."""
+    try:
+        attentions = _attentions(model)
+    except ValueError as exc:
+        raise ValueError(f"scale_keys: {exc}") from None
+    with torch.no_grad():
+        for attn in attentions:
+            for p in key_value_parameters(attn)["k"]:
+                p.mul_(factor)
+            attn.scaling = attn.scaling / factor
+    return model
+
+
+def projection_drift(model: nn.Module, start: list[dict]) -> dict[str, float]:
+    """``{"k": ..., "v": ...}``: the largest ``‖P − P₀‖ / ‖P₀‖`` over the attentions, ``P``
+    an attention's key (value) projection, weight and bias together; ``start`` is
+    ``projection_snapshot(model)`` at step 0."""
+    now = projection_snapshot(model)
+    return {role: max(float((n[role] - s[role]).norm() / s[role].norm())
+                      for n, s in zip(now, start)) for role in ("k", "v")}
+
+
+def projection_snapshot(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Per attention, its key and value projections flattened into one vector each."""
+    return [{role: torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+             for role, tensors in key_value_parameters(attn).items()}
+            for attn in _attentions(model)]
+
+
+def large_key_lm(base: BenchLM, factor: float = 256.0) -> BenchLM:
+    """``base`` with its keys ``× factor`` and the same function (``scale_keys``): a model
+    whose cached keys exceed E4M3's 448 at scale 1.0, as real checkpoints' do (Qwen2's key
+    biases: vLLM #11906), trained from the same pretrained point. The softmax scale takes the
+    ``1/factor`` rather than ``W_Q``: Adam steps every weight by about its learning rate
+    whatever the weight's size, so ``W_Q / factor`` would move ``factor`` times faster
+    relative to itself, a different training run rather than a different magnitude."""
+
+    def build() -> nn.Module:
+        return scale_keys(base.build(), factor)
+
+    return BenchLM(f"{base.name}, keys ×{factor:g}", build, base.batch, base.causal,
+                   {**base.info, "key factor": factor})
 
 
 def minilm_lm() -> BenchLM:

@@ -147,29 +147,35 @@ def kv_cache_plot(rows: list[dict], path: Path) -> str:
     return Path(path).name
 
 
-def rl_plot(per_step: list[dict], sources, path: Path) -> str:
-    """(a) rollout–trainer mismatch (mean |Δ log p| per token) and (b) saturated cache
-    entries per RL step, one line per source of k/v scales; the projections' drift."""
+def rl_plot(per_model: dict, sources, path: Path) -> str:
+    """Per model (a row): (a) the largest |log p(trainer) − log p(rollout)| of any token per
+    sync (sources that never differ from the trainer are left out: a log scale) and (b)
+    saturated cache entries per sync, one line per source of k/v scales; the key and value
+    projections' drift dotted."""
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = [s["step"] for s in per_step]
-    for source in sources:
-        ax1.plot(steps, [s[source]["dlogp"] for s in per_step], marker="o", ms=3,
-                 label=source)
-        ax2.plot(steps, [s[source]["saturated"] for s in per_step], marker="o", ms=3,
-                 label=source)
-    ax1.set_yscale("log")
-    ax1.set_ylabel("mean |log p(rollout) - log p(trainer)| per token")
-    ax1.set_title("(a) rollout-trainer mismatch")
-    ax2.set_ylabel("saturated cache entries")
-    ax2.set_title("(b) KV-cache saturation")
-    drift = ax2.twinx()
-    drift.plot(steps, [s["k/v projection change"] for s in per_step], color="gray", ls=":",
-               label="k/v projection change")
-    drift.set_ylabel("max ||W - W0|| / ||W0||  (dotted)")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("GRPO step")
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(len(per_model), 2, figsize=(12, 3.8 * len(per_model)),
+                             squeeze=False)
+    for (ax1, ax2), (name, per_sync) in zip(axes, per_model.items()):
+        syncs = [s["sync"] for s in per_sync]
+        for source in sources:
+            if any(s[source]["max"] > 0 for s in per_sync):
+                ax1.plot(syncs, [s[source]["max"] for s in per_sync], marker="o", ms=3,
+                         label=source)
+            ax2.plot(syncs, [s[source]["saturated"] for s in per_sync], marker="o", ms=3,
+                     label=source)
+        ax1.set_yscale("log")
+        ax1.set_ylabel("max |Δ log p| of a token")
+        ax1.set_title(f"(a) {name}: worst token per sync")
+        ax2.set_yscale("symlog", linthresh=1)
+        ax2.set_ylabel("saturated cache entries")
+        ax2.set_title(f"(b) {name}: KV-cache saturation")
+        drift = ax2.twinx()
+        for role, dots in (("key", ":"), ("value", "-.")):
+            drift.plot(syncs, [s[f"{role} drift"] for s in per_sync], color="gray", ls=dots)
+        drift.set_ylabel("||W - W0|| / ||W0||: keys dotted, values dash-dot")
+        for ax in (ax1, ax2):
+            ax.set_xlabel("sync (after GRPO step)")
+        ax1.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

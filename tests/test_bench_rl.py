@@ -1,18 +1,18 @@
-"""Scenario 14 (RL rollouts with an FP8 KV cache) on a tiny byte-level Llama: its measures
-against direct computations, the engine's scales under the policy's names, and a two-step
-run of the scenario through TRL's GRPO."""
+"""Scenario 14 (RL rollouts with an FP8 KV cache) on a tiny byte-level Llama: the engine's
+scales under the policy's names, one forward through the FP8 cache against a token-by-token
+decode, and a two-step run of the scenario through TRL's GRPO on both models."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
 from bench.lms import BenchLM  # noqa: E402
 from bench.runner import Context  # noqa: E402
-from bench.scenarios import rl  # noqa: E402
+from bench.scenarios import rl, rl_sources  # noqa: E402
+from bench.scenarios.kv_cache import _cache, _teacher_forced  # noqa: E402
 
 import geoscale_fx  # noqa: E402
 
@@ -26,33 +26,43 @@ def _llama():
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_mismatch_is_the_log_prob_gap_and_kl_per_token():
-    gen = torch.Generator().manual_seed(0)
-    trainer, rollout = torch.randn(5, 3, 11, generator=gen), torch.randn(5, 3, 11, generator=gen)
-    tokens = torch.randint(0, 11, (3, 5), generator=gen)
-    delta, kl = rl.mismatch(trainer, rollout, tokens)
-    lt, lr = F.log_softmax(trainer.double(), -1), F.log_softmax(rollout.double(), -1)
-    expected = [abs(float(lt[s, b, tokens[b, s]] - lr[s, b, tokens[b, s]]))
-                for s in range(5) for b in range(3)]
-    assert delta == pytest.approx(sum(expected) / len(expected), rel=1e-12)
-    assert kl == pytest.approx(float(F.kl_div(lr, lt, log_target=True,
-                                              reduction="sum")) / 15, rel=1e-9)
-    assert rl.mismatch(trainer, trainer, tokens) == (0.0, 0.0)
-
-
 def test_engine_takes_the_scales_under_the_policys_names():
     policy, engine = _llama(), _llama()
     geoscale_fx.apply_(policy, kv_cache="fp8", compiler="aot_eager")
     scales = geoscale_fx.attention_scales(policy, torch.arange(1, 9).reshape(1, 8))
-    layers = rl.engine_layer_scales(engine, scales)
+    layers = rl_sources.engine_layer_scales(engine, scales)
     assert [float(s.scales("e4m3")[0]) for s in layers] == [
         float(scales[f"model.layers.{i}.self_attn.k_scale"]) for i in range(2)]
     foreign = {f"__self__.{k}": v for k, v in scales.items()}
     with pytest.raises(AttributeError):
-        rl.engine_layer_scales(engine, foreign)
+        rl_sources.engine_layer_scales(engine, foreign)
 
 
-def test_two_grpo_steps_report_every_source(tmp_path):
+def test_one_forward_through_the_cache_reads_what_a_decode_reads():
+    engine = _llama()
+    tokens = torch.randint(1, 256, (3, rl.PROMPT_LEN + 10),
+                           generator=torch.Generator().manual_seed(0))
+    kv = rl_sources.observed_kv(engine, tokens)
+    scales = rl_sources.percentile_scales(kv, q=0.99)          # some entries saturate
+    once = rl.rollout_logits(engine, tokens, _cache(engine, scales)[0])
+    decode_cache, decode_saturated = _cache(engine, scales)
+    decoded = _teacher_forced(engine, tokens, rl.PROMPT_LEN, decode_cache).transpose(0, 1)
+    assert once.shape == decoded.shape == (3, 10, 256)
+    assert float((once - decoded).abs().max()) < 1e-4 * float(decoded.abs().max())
+    # the same entries stored and clamped (a decode never writes the last token)
+    cache, saturated = _cache(engine, scales)
+    rl.rollout_logits(engine, tokens[:, :-1], cache)
+    assert [int(c.sum()) for c in saturated] == [int(c.sum()) for c in decode_saturated]
+    assert sum(int(c.sum()) for c in saturated) > 0
+    for layer, decode_layer in zip(cache.layers, decode_cache.layers):
+        assert torch.equal(layer.keys, decode_layer.keys)
+    plain = rl.rollout_logits(engine, tokens, None)
+    assert float((once - plain).abs().max()) > 1e-3       # the FP8 cache is in the path
+
+
+def test_two_grpo_steps_report_every_source_on_both_models(tmp_path, monkeypatch):
+    monkeypatch.setattr(rl, "COMPLETION_LEN", 8)
+    monkeypatch.setattr(rl, "KEY_FACTOR", 4096.0)   # random weights' keys are small
     state = _llama().state_dict()
 
     def build():
@@ -68,10 +78,28 @@ def test_two_grpo_steps_report_every_source(tmp_path):
     ctx = Context(out_dir=tmp_path, lms={"tiny-llama": lambda: lm}, models=("tiny-llama",),
                   compiler="eager", step_scale=0.25, progress=False)
     result = rl.rl_rollouts(ctx)
-    assert [r["source"] for r in result.rows] == list(rl.SOURCES)
-    per_step = result.data["per_step"]
-    assert [s["step"] for s in per_step] == [1, 2]
-    assert all(s["geoscale"]["saturated"] == 0 for s in per_step)
-    assert all(s["no FP8"]["dlogp"] < 1e-4 < s["unit (1.0)"]["dlogp"] for s in per_step)
-    assert per_step[-1]["k/v projection change"] > 0
+    big = "tiny-llama, keys ×4096"
+    assert [(r["model"], r["source"]) for r in result.rows] == [
+        (m, s) for m in ("tiny-llama", big) for s in (*rl.SOURCES, rl.BAND_ROW)]
+    rows = {(r["model"], r["source"]): r for r in result.rows}
+    low, high = map(float, rows[big, rl.BAND_ROW]["mean |Δ log p|"].split("–"))
+    assert low <= rows[big, rl.SOURCES[0]]["mean |Δ log p|"] <= high and low < high
+    runs = result.data["runs"]
+    assert [s["sync"] for s in runs["tiny-llama"]["per_sync"]] == [1]
+    for model in ("tiny-llama", big):
+        for source in rl.SOURCES[:2]:       # certified, fresh or frozen: nothing clamped
+            assert rows[model, source]["saturated (syncs)"] == "0 (0/1)"
+        geo, none = rows[model, rl.SOURCES[0]], rows[model, "no FP8"]
+        assert none["max |Δ log p|"] < 1e-4 < geo["mean |Δ log p|"]
+        assert geo["7B GFLOP / sync"] < 1e-5 * rows[model, rl.SOURCES[2]]["7B GFLOP / sync"]
+        last = runs[model]["per_sync"][-1]
+        assert last["key drift"] > 0 and last["value drift"] > 0
+        # fresh scales follow the weights; the frozen ones stay where step 0 put them
+        assert last[rl.SOURCES[0]]["max k scale"] != last[rl.SOURCES[1]]["max k scale"]
+    unit = rows[big, "unit (1.0)"]
+    assert rows["tiny-llama", "unit (1.0)"]["saturated (syncs)"] == "0 (0/1)"
+    assert unit["saturated (syncs)"] != "0 (0/1)" and unit["range used"] == 1.0
+    # the same pretrained weights at step 0: certified scales ×4096 exactly, the same range
+    frozen = [runs[m]["per_sync"][0][rl.SOURCES[1]] for m in ("tiny-llama", big)]
+    assert frozen[1]["max k scale"] == 4096 * frozen[0]["max k scale"]
     assert (tmp_path / "rl_rollouts.png").exists()

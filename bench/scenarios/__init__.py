@@ -26,7 +26,7 @@ SCENARIOS = [
              "ideal", fp8_kv_cache),
     Scenario("distributed", "13. Scale-out: 2 CPU processes, TP and FSDP2", scale_out,
              default=False),
-    Scenario("rl", "14. RL rollouts with an FP8 KV cache: rollout-trainer mismatch per "
+    Scenario("rl", "14. RL rollouts with an FP8 KV cache: rollout-trainer log-ratios per "
              "source of k/v scales", rl_rollouts, default=False),
 ]
 
