@@ -11,9 +11,9 @@ Pieces, at (batch 1, the longest length) and (the largest batch, the shortest le
 forward time and peak memory of the three (the first call's time too: the compile); at the
 first shape the outputs' error against float32 attention; forward+backward time and peak
 memory, and at the first shape the gradients' error (dq, dk against float32 attention's): the
-score_mod quantizes ``S/scale`` with no straight-through estimator, so its backward also
-rounds the scores' gradient (times the scale) to FP8 and zeroes it where the cast saturates —
-the explicit lowering's ``fake_quantize_logits`` passes it through. On the CPU
+score_mod quantizes ``S/scale`` with the explicit lowering's straight-through gradient
+(``fp8.fake_quantize_logits``), so dq and dk are those of attention at the quantized point,
+never rounded to FP8 nor zeroed where the cast saturates. On the CPU
 rehearsal flex_attention has no backward ("FlexAttention does not support backward on CPU"):
 the FP8 forward+backward there is the explicit lowering geoscale takes for CPU training.
 
