@@ -196,6 +196,7 @@ def scale_table(scales: list[str], tokens: int, rounds: int, repeats: int,
     rows = []
     for key in scales:
         layers, d, n_q, n_kv, d_h, mlp = SCALES[key]
+        torch._dynamo.reset()      # one bound function's code, recompiled per route and scale
         torch.manual_seed(0)
         layer = DecoderLayer(d, n_q, n_kv, d_h, mlp)
         with torch.no_grad():      # trained gains are not all ones
@@ -241,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = zoo_step_table(args.rounds or 12, args.repeats, args.clock)
         print(tabulate(rows, headers="keys", floatfmt=".3f"))
     if "scales" in args.only:
-        rows = scale_table(args.scales, args.tokens, args.rounds or 3, args.repeats,
-                           args.clock, args.compiler)
-        print(tabulate(rows, headers="keys", floatfmt=".4g"))
+        for scale in args.scales:          # each table as soon as it is measured
+            rows = scale_table([scale], args.tokens, args.rounds or 3, args.repeats,
+                               args.clock, args.compiler)
+            print(tabulate(rows, headers="keys", floatfmt=".4g"), flush=True)
     return 0
 
 

@@ -71,10 +71,11 @@ class GeoscaleOptions:
                   lowering="fp8_qkv" one descale per tensor). Geometry only.
     estimator     "schatten" (default: a certified upper bound of σ every step, the
                   Schatten-256 norm by repeated squaring of d_h×d_h matrices, at most
-                  rank^(1/256) above σ; costs as the power iteration, ``python -m
-                  bench.certified_cost``), "exact" (the certified Gram/eigh route every
-                  step) or "power" (the paper's: one warm power iteration per step, exact
-                  at cold start; a lower bound of σ once the weights move, not certified).
+                  rank^(1/256) above σ; at the zoo's scale a training step costs what the
+                  power iteration's does, ``python -m bench.certified_cost``), "exact" (the
+                  certified Gram/eigh route every step) or "power" (the paper's: one warm
+                  power iteration per step, exact at cold start; a lower bound of σ once
+                  the weights move, not certified).
     alpha         1.0 (worst case: a certified bound; default), any positive float, "theory"
                   (α_min of the paper from δ*, N = layers × heads and the sequence length) or
                   "auto" (calibrated on a burn-in, then frozen). Geometry only.
