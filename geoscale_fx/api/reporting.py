@@ -1,6 +1,7 @@
 """``geoscale_fx.report(model)``: what the backend did at every attention, as rows and a table.
 
-Per site (or per head with ``per_head=True``): σ, the bound on |S|, α (auto-α: the frozen
+Per site (or per head with ``per_head=True``): σ (with the default ``estimator="schatten"``
+its certified upper bound, at most d_h^(1/256) above it), the bound on |S|, α (auto-α: the frozen
 α_final, the empirical quantile α_emp and how many slack ratios it came from), the scale, the
 last and the largest scaled logit, overflow counts and FP8 utilization. Under tensor
 parallelism a rank reports its own heads (by their global index) and ``tp`` says which of the

@@ -57,7 +57,7 @@ class GeoscaleBackend:
             log.warning("geoscale: estimator='power' is the paper's warm power iteration, a "
                         "lower bound of σ once the weights change: scales after the first "
                         "step are not certified (report() says so per site); the default "
-                        "estimator='exact' is")
+                        "estimator='schatten' (and 'exact') is")
         self.state = state if state is not None else GeoscaleState()
         self.owned = owned
         #: the model this backend compiles (``wrap``, ``apply_``, ``compile_blocks``; held

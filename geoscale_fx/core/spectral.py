@@ -19,6 +19,9 @@ Estimators:
   ``G = aᵀa``, evaluated as the largest eigenvalue of ``G_K^½ G_Q G_K^½`` in float64;
   O(n · d · d_h²), certified up to float64 rounding.
 
+The default estimator's certified *upper* bounds without an eigensolver (Schatten norms by
+repeated squaring) are in ``geoscale_fx.core.schatten``.
+
 GQA never expands ``a_k``: key-side products are einsums whose group axis is a free axis.
 Everything here is traceable (no ``.item()``, no branching on values), detaches its weight
 inputs (scales are not differentiated) and accumulates in float32 or float64.

@@ -9,15 +9,22 @@ that picks an estimator for a term is :func:`make_estimator`.
 ============================  ==============================  =========================
 estimator                      bound of term t                 state
 ============================  ==============================  =========================
+``SchattenSigma`` (default)    ‖M_h‖_{S_256} ≥ σ_h, matmuls     sigma
 ``ExactSigma``                 σ_h = ‖A_q,h A_k,g(h)ᵀ‖₂ exact   sigma
 ``PowerSigma``                 one warm power step per call     u, v (warm), floor, sigma
+``SchattenNormProduct``        Schatten bounds of ‖A_q,h‖,      norm_product
+                               ‖A_k,g(h)‖ (RoPE, default)
 ``ExactNormProduct`` (RoPE)    ‖A_q,h‖‖A_k,g(h)‖ exact          norm_product
 ``PowerNormProduct`` (RoPE)    power steps on ‖A‖ per head      w_q, w_k (warm), floors
 ``*ObservedKeys`` (KV cache)   ‖A_q,h‖ · max_j ‖k_j‖ (actual)    norm_product (+ w_q, floor_q)
 ============================  ==============================  =========================
 
-Per layer (the paper's granularity) the σ estimators use the concatenated heads, (1,).
-State names of term ``t > 0`` carry the prefix ``t{t}_``.
+The Schatten estimators are the default: certified at every step without an eigensolver
+(``schatten.per_head_sigma``: repeated squarings of d_h×d_h matrices, never below
+the exact value and at most ``rank^{1/256}`` above it), stateless, so a weight jump, a resume
+or a plain ``load_state_dict`` needs no cold start. Per layer (the paper's granularity) the σ
+estimators use the concatenated heads, (1,). State names of term ``t > 0`` carry the prefix
+``t{t}_``; the float32 copies of a bound in the state are rounded up (``round_up_f32``).
 
 Example::
 
@@ -36,12 +43,14 @@ from __future__ import annotations
 import torch
 
 from geoscale_fx.numerics import head_weights, logit_bounds
-from geoscale_fx.core import spectral
+from geoscale_fx.core import schatten, spectral
+from geoscale_fx.core.bounds import round_up_f32
 from geoscale_fx.sites.terms import HeadWeights, Term
 from geoscale_fx.sites.state import StateSpec
 
-__all__ = ["Estimator", "ExactSigma", "PowerSigma", "ExactNormProduct", "PowerNormProduct",
-           "ExactObservedKeys", "PowerObservedKeys", "MeasuredOperands", "make_estimator"]
+__all__ = ["Estimator", "ExactSigma", "SchattenSigma", "PowerSigma", "ExactNormProduct",
+           "SchattenNormProduct", "PowerNormProduct", "ExactObservedKeys",
+           "SchattenObservedKeys", "PowerObservedKeys", "MeasuredOperands", "make_estimator"]
 
 _COLD_TOLERANCE = 1e-4
 _COLD_MAX_ITERS = 1000
@@ -85,7 +94,7 @@ class Estimator:
     def full_step(self, hw: HeadWeights, state: dict) -> torch.Tensor:
         """``bound`` from the current weights, keeping what depends on weights only."""
         bound = self.bound(hw, state)
-        state[self.name("weight_bound")].copy_(bound)
+        state[self.name("weight_bound")].copy_(round_up_f32(bound))
         return bound
 
     def refresh(self, hw: HeadWeights, state: dict) -> None:
@@ -114,8 +123,18 @@ class ExactSigma(Estimator):
 
     def bound(self, hw, state):
         sigma = self._sigma(hw)
-        state[self.name("sigma")].copy_(sigma)
+        state[self.name("sigma")].copy_(round_up_f32(sigma))
         return logit_bounds.sigma_bound(self.term, hw, sigma, self.softmax_scale)
+
+
+class SchattenSigma(ExactSigma):
+    """σ bounded above every step by the Schatten norm ``tr((G_Q G_K)^p)^{1/2p}``, p = 128
+    (certified, matmuls only; at most ``rank^{1/256}`` above the exact σ)."""
+
+    def _sigma(self, hw: HeadWeights) -> torch.Tensor:
+        if self.per_layer:
+            return schatten.per_layer_sigma(hw.a_q, hw.a_k).reshape(1)
+        return schatten.per_head_sigma(hw.a_q, hw.a_k)
 
 
 class PowerSigma(ExactSigma):
@@ -136,7 +155,7 @@ class PowerSigma(ExactSigma):
         floor = state[self.name("floor")]
         sigma = torch.maximum(self._step(hw, state, self.iters).double(), floor.double())
         floor.zero_()  # the exact floor holds for the cold-start step only
-        state[self.name("sigma")].copy_(sigma)
+        state[self.name("sigma")].copy_(sigma)    # an estimate, not a bound: not rounded up
         return logit_bounds.sigma_bound(self.term, hw, sigma, self.softmax_scale)
 
     def cold_start(self, hw, state, generator=None):
@@ -158,12 +177,22 @@ class ExactNormProduct(Estimator):
 
     def _bound(self, nq: torch.Tensor, nk: torch.Tensor, hw, state) -> torch.Tensor:
         group = nq.shape[0] // nk.shape[0]
-        state[self.name("norm_product")].copy_(nq * nk.repeat_interleave(group))
+        state[self.name("norm_product")].copy_(round_up_f32(nq * nk.repeat_interleave(group)))
         return logit_bounds.norm_product_bound(self.term, hw, nq, nk, self.softmax_scale)
 
+    def _norms(self, a: torch.Tensor) -> torch.Tensor:
+        return spectral.head_spectral_norms(a)
+
     def bound(self, hw, state):
-        return self._bound(spectral.head_spectral_norms(hw.a_q),
-                           spectral.head_spectral_norms(hw.a_k), hw, state)
+        return self._bound(self._norms(hw.a_q), self._norms(hw.a_k), hw, state)
+
+
+class SchattenNormProduct(ExactNormProduct):
+    """RoPE, certified: Schatten upper bounds of ``‖A_q,h‖`` and ``‖A_k,g(h)‖`` every step
+    (``schatten.head_norms``: matmuls only)."""
+
+    def _norms(self, a):
+        return schatten.head_norms(a)
 
 
 class PowerNormProduct(ExactNormProduct):
@@ -249,7 +278,7 @@ class ExactObservedKeys(ExactNormProduct):
         bound = query_factor * nk.double().repeat_interleave(group)
         if self.per_layer:
             bound = bound.amax().reshape(1)
-        state[self.name("norm_product")].copy_(bound / abs(self.softmax_scale))
+        state[self.name("norm_product")].copy_(round_up_f32(bound / abs(self.softmax_scale)))
         return bound
 
     def _query_norms(self, hw, state) -> torch.Tensor:
@@ -258,7 +287,7 @@ class ExactObservedKeys(ExactNormProduct):
     def bound(self, hw, state):
         factor = self._query_factor(self._query_norms(hw, state), hw)
         if self.KEEPS_QUERY_FACTOR:
-            state[self.name("query_factor")].copy_(factor)
+            state[self.name("query_factor")].copy_(round_up_f32(factor))
         return self._with_keys(factor, self._key_norms(hw.a_k.detach().reshape(-1), state),
                                state)
 
@@ -268,12 +297,19 @@ class ExactObservedKeys(ExactNormProduct):
     def refresh(self, hw, state):
         """The query factor only: the keys are values, measured in the graph by ``reuse``."""
         state[self.name("query_factor")].copy_(
-            self._query_factor(self._query_norms(hw, state), hw))
+            round_up_f32(self._query_factor(self._query_norms(hw, state), hw)))
 
     def reuse(self, values, state):
         keys, _ = head_weights.observed_heads(self.term.k, values.__getitem__)
         return self._with_keys(state[self.name("query_factor")].double(),
                                self._key_norms(keys.reshape(-1), state), state)
+
+
+class SchattenObservedKeys(ExactObservedKeys):
+    """As ``ExactObservedKeys``, the query side's norms bounded by their Schatten norms."""
+
+    def _query_norms(self, hw, state):
+        return schatten.head_norms(hw.a_q)
 
 
 class PowerObservedKeys(ExactObservedKeys):
@@ -325,19 +361,28 @@ def make_estimator(term: Term, index: int, softmax_scale: float, *, granularity:
     """The estimator of term ``index`` for these options (the only place this is decided).
 
     RoPE terms with the certified ``"norm_product"`` bound bound ‖A_q‖‖A_k‖ per head; every
-    other term (and every term per layer) bounds σ.
+    other term (and every term per layer) bounds σ. ``estimator`` picks the route
+    (``ROUTES``: "schatten", "exact" or "power").
     """
+    if estimator not in ROUTES:
+        raise ValueError(f"estimator must be one of {tuple(ROUTES)}, got {estimator!r}")
     prefix = "" if index == 0 else f"t{index}_"
-    power = estimator == "power"
+    observed_keys, norm_product, sigma = ROUTES[estimator]
     kwargs = dict(iters=power_iters, cold_iters=cold_start_iters)
     if term.q.observed:
         return MeasuredOperands(term, prefix, softmax_scale, per_layer=granularity == "layer",
                                 **kwargs)
     if term.k.observed:
-        cls = PowerObservedKeys if power else ExactObservedKeys
-        return cls(term, prefix, softmax_scale, per_layer=granularity == "layer", **kwargs)
+        return observed_keys(term, prefix, softmax_scale, per_layer=granularity == "layer",
+                             **kwargs)
     if term.rope and rope_bound == "norm_product" and granularity == "head":
-        cls = PowerNormProduct if power else ExactNormProduct
-        return cls(term, prefix, softmax_scale, **kwargs)
-    cls = PowerSigma if power else ExactSigma
-    return cls(term, prefix, softmax_scale, per_layer=granularity == "layer", **kwargs)
+        return norm_product(term, prefix, softmax_scale, **kwargs)
+    return sigma(term, prefix, softmax_scale, per_layer=granularity == "layer", **kwargs)
+
+
+#: estimator option → its classes for (keys from a cache, the RoPE norm product, σ)
+ROUTES = {
+    "schatten": (SchattenObservedKeys, SchattenNormProduct, SchattenSigma),
+    "exact": (ExactObservedKeys, ExactNormProduct, ExactSigma),
+    "power": (PowerObservedKeys, PowerNormProduct, PowerSigma),
+}

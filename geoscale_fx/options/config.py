@@ -69,10 +69,13 @@ class GeoscaleOptions:
     granularity   "head" (a certified scale per query head; default) or "layer" (the paper's
                   per-layer norm of the concatenated W^Q W^Kᵀ, one scale per layer; with
                   lowering="fp8_qkv" one descale per tensor). Geometry only.
-    estimator     "exact" (the certified Gram/eigh route every step; default: ≈ 0.2% of a
-                  training step's FLOPs at 7B shapes, ``python -m bench.certified_cost``) or
-                  "power" (the paper's: one warm power iteration per step, exact at cold
-                  start; a lower bound of σ once the weights move, so not certified).
+    estimator     "schatten" (default: a certified upper bound of σ every step, the
+                  Schatten-256 norm by repeated squaring of d_h×d_h matrices, at most
+                  rank^(1/256) above σ; at the zoo's scale a training step costs what the
+                  power iteration's does, ``python -m bench.certified_cost``), "exact" (the
+                  certified Gram/eigh route every step) or "power" (the paper's: one warm
+                  power iteration per step, exact at cold start; a lower bound of σ once
+                  the weights move, not certified).
     alpha         1.0 (worst case: a certified bound; default), any positive float, "theory"
                   (α_min of the paper from δ*, N = layers × heads and the sequence length) or
                   "auto" (calibrated on a burn-in, then frozen). Geometry only.
@@ -120,7 +123,7 @@ class GeoscaleOptions:
 
     scaling: str = "geometry"
     granularity: str = "head"
-    estimator: str = "exact"
+    estimator: str = "schatten"
     alpha: Union[float, str] = 1.0
     eta: float = 0.8
     fp8_format: str = "e4m3"

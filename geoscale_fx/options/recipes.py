@@ -40,7 +40,7 @@ __all__ = ["Alpha", "GeometryRecipe", "DelayedRecipe", "CurrentRecipe", "NoScali
            "RECIPES", "recipe_of"]
 
 GRANULARITIES = ("head", "layer")
-ESTIMATORS = ("power", "exact")
+ESTIMATORS = ("schatten", "exact", "power")
 ALPHA_POLICIES = ("theory", "auto")
 DELAYED_RECIPES = ("paper", "te")
 FP8_FORMATS = tuple(FP8_MAX)
@@ -122,7 +122,7 @@ def check_estimator_choices(options, label: str = "") -> None:
     """The geometry estimator's fields that another one rules out (the flat options and
     ``GeometryRecipe`` share the names): iterations of the power estimator, the RoPE bound
     of per-head granularity."""
-    if options.estimator == "exact":
+    if options.estimator != "power":
         refuse_changed(options, ("power_iters", "cold_start_iters"), "estimator='power'",
                        "estimator", label)
     if options.granularity == "layer":
@@ -178,9 +178,11 @@ class GeometryRecipe:
 
     granularity   "head" (a certified scale per query head) or "layer" (the paper's σ of the
                   concatenated W^Q W^Kᵀ, one scale per layer).
-    estimator     "exact" (the certified Gram/eigh route every step; default) or "power"
-                  (the paper's one warm power iteration per step, exact at cold start: a
-                  lower bound of σ once the weights move, not certified).
+    estimator     "schatten" (default: a certified upper bound of σ every step, its Schatten
+                  norm by repeated squaring, matmuls only), "exact" (the certified Gram/eigh
+                  route every step) or "power" (the paper's one warm power iteration per
+                  step, exact at cold start: a lower bound of σ once the weights move, not
+                  certified).
     alpha         an ``Alpha`` (a plain number, "theory" or "auto" is read as ``Alpha(it)``).
     eta           margin η ∈ (0, 1]: the scale maps α·B to η·R_max (paper: 0.8).
     rope_bound    "norm_product" (certified) or "interaction" (the paper's; per head only).
@@ -191,7 +193,7 @@ class GeometryRecipe:
 
     scaling: ClassVar[str] = "geometry"
     granularity: str = "head"
-    estimator: str = "exact"
+    estimator: str = "schatten"
     alpha: Alpha = Alpha()
     eta: float = 0.8
     rope_bound: str = "norm_product"

@@ -212,10 +212,11 @@ class GeometryScaling(ScalingPolicy):
         torch._assert_async(torch.isfinite(bound).all(), self._non_finite_message())
         if per_layer_reduced(self.site, self.n_scale):   # one scale for heads on many ranks
             bound = reduce_max(bound, self.site.shard)
-        state["bound"].copy_(bound)
+        state["bound"].copy_(bounds.round_up_f32(bound))
         alpha = self.alpha.value(state, seq_len)
-        return bounds.scale_factor(alpha * bound, eta=self.options.eta,
-                                   fmt=self.options.fp8_format).float()
+        # a float32 divisor never below the float64 one: S/scale stays within η·R_max
+        return bounds.round_up_f32(bounds.scale_factor(alpha * bound, eta=self.options.eta,
+                                                       fmt=self.options.fp8_format))
 
     def _non_finite_message(self) -> str:
         if self.site.bound_by == "measured":   # the bound reads activations, not weights

@@ -246,8 +246,9 @@ def is_certified(site: AttentionSite, options: Optional["GeoscaleOptions"] = Non
       is certified whatever else holds; otherwise the scaling's RoPE bound is not
       ``"interaction"`` either, and the scale is the bound itself, per head: geometry
       scaling, ``granularity="head"``, a numeric ``α ≥ 1``;
-    * the step (``report``: ``steps``, the site's step counter): the exact route ran —
-      ``estimator="exact"``, or the cold-start step (``steps ≤ 1``).
+    * the step (``report``: ``steps``, the site's step counter): a certified route ran —
+      ``estimator="schatten"`` or ``"exact"``, or the power iteration's cold-start step
+      (``steps ≤ 1``).
 
     >>> site = AttentionSite(name="a", index=0, kind="sdpa", node="n", supported=True)
     >>> is_certified(site), is_certified(replace(site, supported=False))
@@ -268,5 +269,5 @@ def is_certified(site: AttentionSite, options: Optional["GeoscaleOptions"] = Non
     if not per_head_proof:
         return False
     # measured operands: the exact norms every call, whatever the estimator
-    return steps is None or options.estimator == "exact" or float(steps) <= 1 or \
+    return steps is None or options.estimator != "power" or float(steps) <= 1 or \
         site.bound_by == "measured"

@@ -2,7 +2,8 @@
 
 tests/planning/test_scaling.py covers the per-head σ estimators and ``make_estimator``'s choice for
 weight terms; here: the per-layer σ, the power estimates staying ≤ the exact σ, the cold-start
-floors of the RoPE norm product, the observed-keys estimators and the inference ``reuse``.
+floors of the RoPE norm product, the observed-keys estimators, the inference ``reuse``, and
+the Schatten estimators (the default) against the exact ones and adversarial updates.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from geoscale_fx.numerics import head_weights
 from geoscale_fx.numerics.estimators import (
     ExactNormProduct, ExactObservedKeys, ExactSigma, PowerNormProduct, PowerObservedKeys,
-    PowerSigma, make_estimator,
+    PowerSigma, SchattenNormProduct, SchattenObservedKeys, SchattenSigma, make_estimator,
 )
 from geoscale_fx.sites.terms import HeadWeights, Side, Source, Term
 
@@ -54,7 +55,8 @@ def test_exact_sigma_per_layer_is_the_norm_of_the_summed_head_products():
     bound = est.bound(hw, state)
     sigma = _layer_sigma_reference(hw)
     assert bound.shape == (1,) and state["sigma"].shape == (1,)
-    assert float(state["sigma"]) == pytest.approx(sigma, rel=1e-9)
+    # the state keeps σ as a float32 rounded up: never below, within one float32 ulp
+    assert sigma * (1 - 1e-12) <= float(state["sigma"]) <= sigma * (1 + 2 ** -23)
     # s · ρ_q ρ_k · σ with ρ = √d on both sides
     torch.testing.assert_close(bound, torch.tensor([0.25 * D * sigma], dtype=torch.float64),
                                rtol=1e-9, atol=0)
@@ -137,3 +139,74 @@ def test_make_estimator_picks_observed_key_estimators_and_reuse_reads_the_weight
     full = est.full_step(hw, state)
     torch.testing.assert_close(state["weight_bound"], full)
     torch.testing.assert_close(est.reuse({}, state), full)
+
+
+def _top_pairs(a_q, a_k):
+    """Per query head: σ and the left/right singular vectors of M_h = a_q[h] a_k[g]ᵀ."""
+    m = torch.stack([a_q[h] @ a_k[h // GROUP].T for h in range(NQ)])       # (n_q, d, d)
+    u, s, vh = torch.linalg.svd(m)
+    return s, u, vh.transpose(-1, -2)
+
+
+def test_schatten_sigma_covers_updates_built_to_raise_sigma_fastest():
+    """Steepest ascent of σ (each step moves a_q along u₁ (a_kᵀv₁)ᵀ and a_k along
+    v₁ (a_qᵀu₁)ᵀ, by 30% of their norms), then an update that makes the *smallest* singular
+    direction the largest: the Schatten bound stays ≥ σ (explicit, float64) and within
+    rank^(1/256) of it at every step; the warm power iteration (cold-started on the first
+    weights) falls below σ on the way."""
+    term, hw = Term(_side(NQ), _side(NKV, NQ * DH)), _weights(7)
+    a_q, a_k = hw.a_q.clone(), hw.a_k.clone()
+    schatten_est, power_est = SchattenSigma(term, "", 1.0), PowerSigma(term, "", 1.0)
+    s_state, p_state = _state(schatten_est), _state(power_est)
+    power_est.cold_start(HeadWeights(a_q, None, a_k, None), p_state,
+                         torch.Generator().manual_seed(0))
+    power_below = []
+    for step in range(8):
+        sigma, u, v = _top_pairs(a_q, a_k)
+        bound = schatten_est.bound(HeadWeights(a_q, None, a_k, None), s_state) / D    # s = 1
+        assert bool((bound >= sigma[:, 0]).all()), (step, bound / sigma[:, 0])
+        assert bool((bound <= sigma[:, 0] * DH ** (1 / 256) * (1 + 1e-9)).all())
+        assert bool((s_state["sigma"] >= sigma[:, 0]).all())    # float32 copy: rounded up
+        power = power_est.bound(HeadWeights(a_q, None, a_k, None), p_state) / D
+        power_below.append(bool((power < sigma[:, 0] * (1 - 1e-3)).any()))
+        if step < 5:        # steepest ascent of σ on every head (GQA: summed over the group)
+            for h in range(NQ):
+                dq = torch.outer(u[h, :, 0], a_k[h // GROUP].T @ v[h, :, 0])
+                a_q[h] += 0.3 * a_q[h].norm() * dq / dq.norm()
+            for g in range(NKV):
+                dk = sum(torch.outer(v[h, :, 0], a_q[h].T @ u[h, :, 0])
+                         for h in range(g * GROUP, (g + 1) * GROUP))
+                a_k[g] += 0.3 * a_k[g].norm() * dk / dk.norm()
+        else:               # the least direction grows ×3 of σ₁: the top switches
+            for h in range(NQ):
+                lo = DH - 1
+                a_q[h] += 3.0 * sigma[h, 0] * torch.outer(u[h, :, lo], a_k[h // GROUP].T
+                                                          @ v[h, :, lo]) / sigma[h, lo] ** 2
+    assert not power_below[0] and any(power_below), power_below
+
+
+def test_schatten_estimators_bound_every_term_kind_from_above():
+    """σ, the RoPE norm product and the query factor of cached keys: each Schatten
+    estimator's bound is ≥ the exact estimator's, within rank^(1/256); make_estimator
+    picks them for estimator="schatten" and names a wrong one."""
+    hw = _weights(8)
+    weights = Term(_side(NQ), _side(NKV, NQ * DH))
+    for exact_cls, schatten_cls in ((ExactSigma, SchattenSigma),
+                                    (ExactNormProduct, SchattenNormProduct)):
+        exact = exact_cls(weights, "", 0.5).bound(hw, _state(exact_cls(weights, "", 0.5)))
+        est = schatten_cls(weights, "", 0.5)
+        upper = est.bound(hw, _state(est))
+        limit = DH ** (1 / 256) ** (2 if exact_cls is ExactNormProduct else 1)
+        assert bool((upper >= exact).all()) and bool((upper <= exact * limit * 1.0001).all())
+    observed = Term(_side(NQ), _observed())
+    est = make_estimator(observed, 0, 0.5, granularity="head", estimator="schatten",
+                         rope_bound="norm_product")
+    assert type(est) is SchattenObservedKeys
+    exact = ExactObservedKeys(observed, "", 0.5)
+    s_state, e_state = _state(est), _state(exact)
+    est.refresh(hw, s_state)
+    exact.refresh(hw, e_state)
+    assert bool((s_state["query_factor"] >= e_state["query_factor"]).all())
+    with pytest.raises(ValueError, match="estimator must be one of.*'eigh'"):
+        make_estimator(weights, 0, 0.5, granularity="head", estimator="eigh",
+                       rope_bound="norm_product")

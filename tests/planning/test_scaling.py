@@ -15,7 +15,8 @@ from geoscale_fx.analysis.modifiers.softcap import Softcap
 from geoscale_fx.core import bounds
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.numerics.estimators import (
-    ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, make_estimator,
+    ExactNormProduct, ExactSigma, PowerNormProduct, PowerSigma, SchattenNormProduct,
+    SchattenSigma, make_estimator,
 )
 from geoscale_fx.numerics.logit_bounds import apply_modifiers
 from geoscale_fx.planning.scaling import (
@@ -104,6 +105,8 @@ def test_norm_product_estimators_bound_rope_terms_by_spectral_norms():
     (False, "head", "power", PowerSigma), (False, "head", "exact", ExactSigma),
     (True, "head", "power", PowerNormProduct), (True, "head", "exact", ExactNormProduct),
     (True, "layer", "power", PowerSigma), (False, "layer", "exact", ExactSigma),
+    (False, "head", "schatten", SchattenSigma), (True, "head", "schatten", SchattenNormProduct),
+    (True, "layer", "schatten", SchattenSigma),
 ])
 def test_make_estimator_is_the_one_decision(rope, granularity, estimator, expected):
     est = make_estimator(_term(rope), 1, 1.0, granularity=granularity, estimator=estimator,
