@@ -241,6 +241,8 @@ class ExactObservedKeys(ExactNormProduct):
     def _query_factor(self, nq, hw) -> torch.Tensor:
         cq = (torch.zeros_like(nq) if hw.c_q is None
               else torch.linalg.vector_norm(hw.c_q.double(), dim=-1))
+        if hw.cast_q is not None:     # a low-precision query projection's ball around c
+            cq = cq + hw.cast_q.deviation
         return (abs(self.softmax_scale) * self.term.operand_scale
                 * (hw.radii(self.term)[0] * nq.double() + cq))
 
