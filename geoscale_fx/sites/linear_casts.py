@@ -56,8 +56,9 @@ class DynamicCast:
 
     @property
     def saturates(self) -> bool:
-        """A group can be scaled past the clip (then ``λ`` may be anywhere in ``[0, 1]``)."""
-        return self.scaled_max * (1.0 + F32_SLACK) > self.clip
+        """A group can be scaled past the clip (then ``λ`` may be anywhere in ``[0, 1]``);
+        a clip at ``scaled_max`` cuts float32 roundings only, inside ``relative()``."""
+        return self.scaled_max > self.clip
 
     def relative(self) -> float:
         """``u'``: ``λ_i ≤ 1 + u'`` always, and ``λ_i ≥ 1 − u'`` unless the cast saturates

@@ -56,14 +56,21 @@ class TracedCall:
         return self.tensor_args[placeholders.index(placeholder)]
 
 
-def call_name(target: Any) -> str:
-    """What a call's target is called: the autograd function behind Dynamo's trampoline
-    (its closure holds the class), else the function's own name."""
+def _function(target: Any) -> Any:
+    """The autograd function behind Dynamo's trampoline (its closure holds the class; each
+    compile makes a new trampoline), else the target itself."""
     for cell in getattr(target, "__closure__", None) or ():
         value = cell.cell_contents
         if isinstance(value, type) and hasattr(value, "apply"):
-            return value.__qualname__
-    return getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
+            return value
+    return target
+
+
+def call_name(target: Any) -> str:
+    """What a call's target is called: the autograd function behind Dynamo's trampoline,
+    else the function's own name."""
+    function = _function(target)
+    return getattr(function, "__qualname__", None) or getattr(function, "__name__", str(function))
 
 
 def _opaque(node: Node) -> bool:
@@ -109,7 +116,7 @@ class CallSignature:
     @property
     def key(self) -> Optional[tuple]:
         try:
-            key = (self.node.target, self.specs, repr(self.args), repr(self.kwargs))
+            key = (_function(self.node.target), self.specs, repr(self.args), repr(self.kwargs))
             hash(key)
             return key
         except TypeError:

@@ -63,8 +63,8 @@ def weight_program(outputs: Sequence[Node], weight: Node,
             return Ref(len(ops) - 1)
         if isinstance(a, Node):
             return Ref(index[a])
-        if isinstance(a, (tuple, list)):
-            return type(a)(encode(x) for x in a)
+        if isinstance(a, (tuple, list)):    # lists as tuples: the program stays hashable
+            return tuple(encode(x) for x in a)
         return a
 
     for target, args, kwargs in [(n.target, n.args, n.kwargs) for n in nodes] + list(tail):
