@@ -331,7 +331,7 @@ def parameter_names(projection: ProjectionOp) -> tuple[str, str]:
     if op_of(weight) in ("t", "transpose") and isinstance(weight.args[0], Node) and \
             strip_casts(weight.args[0]).op == "placeholder":   # ``W.t()``: name W
         weight = strip_casts(weight.args[0])
-    bias = projection.bias
+    bias = strip_casts(projection.bias)       # ``bias.to(dtype)``: name the bias
     return (parameter_name(weight) if weight.op == "placeholder" else weight.name,
             "" if bias is None else parameter_name(bias) if bias.op == "placeholder"
             else bias.name)
