@@ -79,7 +79,7 @@ def _ascend(model, site, steps: int = 40) -> float:
     for _ in range(steps):
         logits, _ = _logits_and_qkv(model, x)
         ratio = (logits.abs().amax(dim=(0, 2, 3)) / bound).max()
-        best = max(best, float(ratio))
+        best = max(best, float(ratio.detach()))
         opt.zero_grad()
         (-ratio).backward()
         opt.step()
