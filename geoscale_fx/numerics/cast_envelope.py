@@ -18,7 +18,7 @@ and ``x̂' = D x̂`` has ``‖x̂'‖ ≤ (1 + u') ρ``. With ``A_h = diag(g) W�
 
     q_h = A_hᵀ x̂' + c_h + e_h,   e_h = W̃_hᵀ((D − I) β + η) + Δ W̃_hᵀ x̃
 
-    ‖e_h‖ ≤ r_h + u_o·P_h,        r_h = ‖W̃_h‖₂ (κ‖β‖ + √d·τ),
+    ‖e_h‖ ≤ r_h + u_o·P_h,        r_h = ‖W̃_h‖_F (κ‖β‖ + √d·τ)  (≥ ‖W̃_h‖₂ (…)),
                                   P_h = (1 + u')ρ‖A_h‖₂ + ‖W̃_hᵀ β‖ + r_h ≥ ‖W̃_hᵀ x̃‖
 
 ``τ`` needs a bound on every entry of the tensor the cast scales (its groups' amax):
@@ -47,7 +47,7 @@ from geoscale_fx.core import spectral
 from geoscale_fx.sites.linear_casts import CastEnvelope, LinearCast
 from geoscale_fx.sites.terms import HeadWeights, Term
 
-__all__ = ["side_envelope", "entry_bound", "widening"]
+__all__ = ["side_envelope", "entry_bound", "head_norms", "widening"]
 
 
 def entry_bound(gain: Optional[torch.Tensor], offset: Optional[torch.Tensor], rho
@@ -69,27 +69,37 @@ def side_envelope(cast: LinearCast, w_heads: torch.Tensor, a: torch.Tensor,
     u, kappa = cast.input.relative(), cast.input.offset_factor()
     width = w_heads.shape[1]
     tau = cast.input.absolute(entry_bound(gain, offset, rho))
-    w_norm = spectral.head_spectral_norms(w_heads.detach())                    # (n,)
+    w = w_heads.detach().double()
+    # ‖W̃_h‖₂ ≤ ‖W̃_h‖_F: r is float32 subnormals' (and κ‖β‖'s) scale, a Gram would cost
+    # as much as the bound itself
+    w_norm = torch.linalg.vector_norm(w, dim=(-2, -1))                           # (n,)
+    a_norms = spectral.head_spectral_norms(a.detach())
     beta_norm = torch.zeros((), dtype=torch.float64, device=w_norm.device)
     product_offset = torch.zeros_like(w_norm)
     if offset is not None:
         beta = offset.detach().double().to(w_norm.device)
         beta_norm = torch.linalg.vector_norm(beta)
-        product_offset = torch.linalg.vector_norm(
-            torch.einsum("ndj,d->nj", w_heads.detach().double(), beta), dim=-1)
+        product_offset = torch.linalg.vector_norm(torch.einsum("ndj,d->nj", w, beta), dim=-1)
     r = w_norm * (kappa * beta_norm + math.sqrt(width) * tau.to(w_norm.device))
     deviation = r
     if cast.output_rounding > 0:
         rho_t = torch.as_tensor(rho, dtype=torch.float64).to(w_norm.device)
-        product = (1.0 + u) * rho_t * spectral.head_spectral_norms(a.detach()) + \
-            product_offset + r
+        product = (1.0 + u) * rho_t * a_norms + product_offset + r
         deviation = r + cast.output_rounding * product
-    return CastEnvelope(1.0 + u, deviation)
+    return CastEnvelope(1.0 + u, deviation, a_norms)
 
 
-def _side_norms(a: torch.Tensor, c: Optional[torch.Tensor], rho) -> torch.Tensor:
+def head_norms(a: torch.Tensor, envelope: Optional[CastEnvelope]) -> torch.Tensor:
+    """``‖A_h‖₂`` per head (float64, exact): the envelope's, else computed."""
+    if envelope is not None and envelope.a_norms is not None:
+        return envelope.a_norms
+    return spectral.head_spectral_norms(a.detach())
+
+
+def _side_norms(a: torch.Tensor, c: Optional[torch.Tensor], rho,
+                envelope: Optional[CastEnvelope]) -> torch.Tensor:
     """``N_h = ρ'‖A_h‖₂ + ‖c_h‖`` per head (float64)."""
-    norms = torch.as_tensor(rho, dtype=torch.float64) * spectral.head_spectral_norms(a.detach())
+    norms = torch.as_tensor(rho, dtype=torch.float64) * head_norms(a, envelope)
     if c is not None:
         norms = norms + torch.linalg.vector_norm(c.detach().double(), dim=-1)
     return norms
@@ -103,8 +113,8 @@ def widening(term: Term, hw: HeadWeights, softmax_scale: float) -> torch.Tensor:
     if not hw.cast:
         return torch.zeros((), dtype=torch.float64)
     rho_q, rho_k = hw.radii(term)
-    n_q = _side_norms(hw.a_q, hw.c_q, rho_q)
-    n_k = _side_norms(hw.a_k, hw.c_k, rho_k)
+    n_q = _side_norms(hw.a_q, hw.c_q, rho_q, hw.cast_q)
+    n_k = _side_norms(hw.a_k, hw.c_k, rho_k, hw.cast_k)
     group = n_q.shape[0] // n_k.shape[0]
     n_k = n_k.repeat_interleave(group)
     r_q = hw.cast_q.deviation if hw.cast_q is not None else torch.zeros_like(n_q)

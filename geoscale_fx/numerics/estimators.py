@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from geoscale_fx.numerics import head_weights, logit_bounds
+from geoscale_fx.numerics.cast_envelope import head_norms
 from geoscale_fx.core import spectral
 from geoscale_fx.sites.terms import HeadWeights, Term
 from geoscale_fx.sites.state import StateSpec
@@ -162,8 +163,8 @@ class ExactNormProduct(Estimator):
         return logit_bounds.norm_product_bound(self.term, hw, nq, nk, self.softmax_scale)
 
     def bound(self, hw, state):
-        return self._bound(spectral.head_spectral_norms(hw.a_q),
-                           spectral.head_spectral_norms(hw.a_k), hw, state)
+        return self._bound(head_norms(hw.a_q, hw.cast_q), head_norms(hw.a_k, hw.cast_k), hw,
+                           state)
 
 
 class PowerNormProduct(ExactNormProduct):
@@ -255,7 +256,7 @@ class ExactObservedKeys(ExactNormProduct):
         return bound
 
     def _query_norms(self, hw, state) -> torch.Tensor:
-        return spectral.head_spectral_norms(hw.a_q)
+        return head_norms(hw.a_q, hw.cast_q)
 
     def bound(self, hw, state):
         factor = self._query_factor(self._query_norms(hw, state), hw)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from geoscale_fx.numerics import relative_rope_bound
-from geoscale_fx.numerics.cast_envelope import widening
+from geoscale_fx.numerics.cast_envelope import head_norms, widening
 from geoscale_fx.core import bounds, spectral
 from geoscale_fx.numerics.head_weights import Resolve, site_term_weights
 from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
@@ -89,8 +89,8 @@ def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
     """
     if term.rope and rope_bound == "norm_product":
         return norm_product_bound(term, head_weights,
-                                  spectral.head_spectral_norms(head_weights.a_q),
-                                  spectral.head_spectral_norms(head_weights.a_k),
+                                  head_norms(head_weights.a_q, head_weights.cast_q),
+                                  head_norms(head_weights.a_k, head_weights.cast_k),
                                   site.softmax_scale)
     if term.rope and rope_bound == "relative":
         return relative_rope_bound.relative_logit_bound(site, term, head_weights)

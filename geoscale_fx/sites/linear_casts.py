@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -137,3 +137,6 @@ class CastEnvelope:
     deviation[h]`` (``A``, ``c`` from the dequantized weight; ``numerics.cast_envelope``)."""
     radius_factor: float
     deviation: torch.Tensor           # (n_heads,) float64
+    #: ``‖A_h‖₂`` per head (float64, exact), computed once for the envelope: the bounds
+    #: that need it read it here (``head_weights.head_norms``)
+    a_norms: Optional[torch.Tensor] = None
