@@ -112,6 +112,29 @@ def test_the_fp8_linears_compute_the_product_of_the_dequantized_operands(recipe)
         assert torch.equal(replayed, w_bits.float() * w_scale.reciprocal()), name
 
 
+def test_mx_training_weights_are_refused_naming_the_subclass():
+    """torchao's MX training (``MXFP8TrainingOpConfig``, emulated: it runs on the CPU) keeps
+    ``nn.Linear`` and swaps the weights for a subclass whose dispatch quantizes both operands
+    in blocks of 32 with E8M0 scales; Dynamo's graph reads ``linear(x, W)``. Geoscale
+    certified ``x·Wᵀ`` for it before; the MX casts are not recognized (module docstring of
+    ``analysis.linears.subclass_weights``), so the site is refused with the reason."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    quantize_(model.model.layers, MXFP8TrainingOpConfig(
+        kernel_preference=KernelPreference.EMULATED, out_dtype=torch.float32),
+        filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    ids = _ids(length=32)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()        # runs on the CPU
+    for site in geoscale_fx.find_attention(model, input_ids=ids):
+        assert not site.supported and not site.certified
+        assert "MXFP8TrainingWeightWrapperTensor (a tensor subclass" in site.reason
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,recipe", [("llama", "rowwise"), ("qwen2", "tensorwise")])
 def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(family, recipe):

@@ -29,6 +29,7 @@ from geoscale_fx.analysis.norms.normalization import (
 from geoscale_fx.analysis.norms.bounded_operand import bounded_root
 from geoscale_fx.analysis.index.replay_records import ReplayRecords
 from geoscale_fx.analysis.linears.registry import low_precision_linear, unrecognized_cast
+from geoscale_fx.analysis.linears.subclass_weights import subclass_weight
 from geoscale_fx.sites.linear_casts import LinearCast
 
 __all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
@@ -82,6 +83,8 @@ class OperandTrace:
 
 def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
     op = op_of(node)
+    if subclass_weight(node) is not None:      # what runs is not x·Wᵀ (MX training weights)
+        return None
     if op == "linear":
         x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
         if kinds.is_activation(x) and kinds.is_param(w) and (b is None or kinds.is_param(b)):
@@ -170,8 +173,9 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str
         if found is not None:  # an ``add`` root stops the walk before the linear under it
             frontier[found.root] = found
             continue
-        refusal = unrecognized_cast(node, kinds) if op_of(node) is None else None
-        if refusal is not None:   # an FP8 cast the bounds cannot see through: stop
+        refusal = unrecognized_cast(node, kinds) if op_of(node) is None else \
+            subclass_weight(node)
+        if refusal is not None:   # a low-precision product the bounds cannot see through
             raise Unsupported(f"the {role} `{operand.name}` comes through {refusal}")
         unit = _norm_unit(node, kinds, len(units) + 1)
         if unit is not None:   # jump over the normalization's internals
