@@ -19,12 +19,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
 R = 448.0
 EPS = 1e-12
+
+
+def _rowwise_scaled_mm_runs() -> bool:
+    """``torch._scaled_mm`` with per-row scales runs on the CPU (torch 2.11's CPU kernel
+    takes per-tensor scales only: a rowwise FP8 linear does not run there, emulated aside)."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+#: a test or case that runs a rowwise ``_scaled_mm`` on the CPU
+ROWWISE = pytest.mark.skipif(not _rowwise_scaled_mm_runs(),
+                             reason="this torch's CPU _scaled_mm takes per-tensor scales only "
+                                    "(torch 2.11): a rowwise FP8 linear does not run here")
+
+
+def case(recipe: "Recipe"):
+    """``recipe`` as a pytest parameter, skipped where its ``_scaled_mm`` cannot run."""
+    needs_rows = recipe.rows and not recipe.emulate
+    return pytest.param(recipe, marks=[ROWWISE] if needs_rows else [], id=str(recipe))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 import geoscale_fx
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests import analysis_checks as checks
+from tests.float8_linears import ROWWISE
 
 torchao_float8 = pytest.importorskip(
     "torchao.float8", reason="torchao is not installed (the [float8] extra: "
@@ -33,8 +34,14 @@ SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key
              intermediate_size=128, vocab_size=128, max_position_embeddings=64,
              pad_token_id=0, bos_token_id=0, eos_token_id=0)
 FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "phi3": "Phi3Config"}
-CASES = [("llama", "tensorwise"), ("llama", "rowwise"), ("llama", "rowwise_with_gw_hp"),
-         ("qwen2", "tensorwise"), ("qwen2", "rowwise"), ("phi3", "rowwise")]
+def _case(family: str, recipe: str):
+    """A (family, recipe) parameter, skipped where a rowwise ``_scaled_mm`` cannot run."""
+    return pytest.param(family, recipe, marks=[ROWWISE] if recipe != "tensorwise" else [])
+
+
+CASES = [_case("llama", "tensorwise"), _case("llama", "rowwise"),
+         _case("llama", "rowwise_with_gw_hp"), _case("qwen2", "tensorwise"),
+         _case("qwen2", "rowwise"), _case("phi3", "rowwise")]
 
 
 def _converted(family: str, recipe: str, seed: int = 0, gains: bool = False):
@@ -82,7 +89,7 @@ def _torchao_dequantized(t: torch.Tensor, config, role: str) -> torch.Tensor:
     return fp8._data, fp8._scale
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=ROWWISE)])
 def test_the_fp8_linears_compute_the_product_of_the_dequantized_operands(recipe):
     """The model the bound rests on: ``y = x̃ W̃ᵀ (+ b)``, checked against float64 from
     torchao's own casts; and the program's ``W̃`` is torchao's, bit for bit."""
@@ -136,7 +143,8 @@ def test_mx_training_weights_are_refused_naming_the_subclass():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,recipe", [("llama", "rowwise"), ("qwen2", "tensorwise")])
+@pytest.mark.parametrize("family,recipe", [_case("llama", "rowwise"),
+                                           _case("qwen2", "tensorwise")])
 def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(family, recipe):
     model = _converted(family, recipe, gains=True).eval()
     sites, worst, _ = checks.adversarial(model)
@@ -146,7 +154,8 @@ def test_bound_holds_under_adversarial_inputs_with_large_gains_and_biases(family
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,recipe", [("llama", "tensorwise"), ("qwen2", "rowwise")])
+@pytest.mark.parametrize("family,recipe", [_case("llama", "tensorwise"),
+                                           _case("qwen2", "rowwise")])
 def test_training_steps_and_a_weight_jump_stay_certified(family, recipe):
     """AdamW steps (lr 3e-3), then q_proj and k_proj ×8 (an RL weight update, a bad
     resume): after every step ``report()`` says certified, no step overflowed, and the

@@ -24,7 +24,8 @@ from geoscale_fx.sites.terms import HeadWeights, Side, Term
 from geoscale_fx.core.parameter_radius import evaluate_radius
 
 __all__ = ["Resolve", "gather_heads", "gather_bias", "fold_channel_ops", "observed_heads",
-           "side_heads", "side_heads_envelope", "side_radius", "key_head_norms", "term_head_weights",
+           "side_heads", "side_heads_envelope", "side_radius",
+           "key_head_norms", "term_head_weights",
            "site_term_weights", "site_head_weights"]
 
 Resolve = Callable[[str], torch.Tensor]

@@ -19,7 +19,7 @@ import torch
 import geoscale_fx
 from geoscale_fx.numerics.amax import site_amax_bounds
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
-from tests.float8_linears import FP8Attention, Recipe
+from tests.float8_linears import FP8Attention, Recipe, case
 
 D = 16
 RECIPES = [Recipe(), Recipe(rows=True, pow2=True), Recipe(rows=True, out_dtype=torch.bfloat16),
@@ -86,7 +86,7 @@ def _ascend(model, site, steps: int = 40) -> float:
     return best
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", [case(r) for r in RECIPES])
 def test_bound_holds_for_random_and_optimized_inputs_with_large_gains(recipe):
     torch.manual_seed(0)
     model = FP8Attention(D, 2, recipe, bias=True, affine=True).eval()

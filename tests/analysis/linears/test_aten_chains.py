@@ -12,7 +12,7 @@ from geoscale_fx.analysis.linears.aten_chains import (
     A, downcast_rounding, dynamic_cast, is_op, strip_views, upcast_source,
 )
 from geoscale_fx.analysis.linears.opaque_calls import call_signature, traced_call
-from tests.float8_linears import Recipe, captured_call
+from tests.float8_linears import ROWWISE, Recipe, captured_call
 
 
 def _traced(recipe: Recipe, dtype=torch.float32):
@@ -26,8 +26,9 @@ def _traced(recipe: Recipe, dtype=torch.float32):
 
 @pytest.mark.parametrize("recipe,groups,floor", [
     (Recipe(), "tensor", 448.0),
-    (Recipe(rows=True), "rows", 448.0),
-    (Recipe(rows=True, pow2=True), "rows", 224.0),
+    pytest.param(Recipe(rows=True), "rows", 448.0, marks=ROWWISE),
+    pytest.param(Recipe(rows=True, pow2=True), "rows", 224.0, marks=ROWWISE),
+    (Recipe(rows=True, emulate=True), "rows", 448.0),
     (Recipe(pow2=True, emulate=True), "tensor", 224.0),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

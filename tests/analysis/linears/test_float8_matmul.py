@@ -11,7 +11,7 @@ import torch
 
 from geoscale_fx.analysis.linears.float8_matmul import dequantized_mm_linear, scaled_mm_linear
 from geoscale_fx.analysis.linears.opaque_calls import call_signature, traced_call
-from tests.float8_linears import Recipe, captured_call, dequantized_weight
+from tests.float8_linears import Recipe, captured_call, case, dequantized_weight
 
 RECIPES = [Recipe(), Recipe(rows=True, pow2=True), Recipe(rows=True, out_dtype=torch.bfloat16),
            Recipe(emulate=True), Recipe(rows=True, emulate=True, out_dtype=torch.bfloat16)]
@@ -22,7 +22,7 @@ def _traced(recipe: Recipe):
     return graph, node, traced_call(call_signature(node, kinds))
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+@pytest.mark.parametrize("recipe", [case(r) for r in RECIPES])
 def test_each_recipe_is_read_by_its_kind(recipe):
     graph, node, traced = _traced(recipe)
     mine, other = (dequantized_mm_linear, scaled_mm_linear) if recipe.emulate else \

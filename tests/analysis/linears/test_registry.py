@@ -15,11 +15,11 @@ def test_a_fp8_linear_is_found_once_per_signature(monkeypatch):
     traced = []
     original = registry.traced_call
     monkeypatch.setattr(registry, "traced_call", lambda s: traced.append(1) or original(s))
-    _, kinds, node = captured_call(Recipe(rows=True))
+    _, kinds, node = captured_call(Recipe(rows=True, emulate=True))
     found = low_precision_linear(node, kinds)
     assert (found.x, found.weight) == (node.args[0], node.args[1])
     assert found.cast.input.groups == "rows" and unrecognized_cast(node, kinds) is None
-    _, kinds2, node2 = captured_call(Recipe(rows=True))         # a new graph, same signature
+    _, kinds2, node2 = captured_call(Recipe(rows=True, emulate=True))   # a new graph, same call
     assert low_precision_linear(node2, kinds2).cast == found.cast
     assert len(traced) == 1
     _, kinds3, node3 = captured_call(Recipe())                  # another recipe: traced again
