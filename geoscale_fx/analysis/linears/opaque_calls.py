@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds, example_value, op_of, static_int
 
 __all__ = ["TracedCall", "CallSignature", "call_signature", "traced_call", "call_name",
-           "MAX_TENSOR_ARGS"]
+           "untraceable_tensor", "MAX_TENSOR_ARGS"]
 
 log = logging.getLogger("geoscale_fx")
 
@@ -92,6 +92,18 @@ def _constant(node: Node, kinds: ValueKinds, depth: int = 8) -> Any:
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     return node.target(*args, **kwargs)
+
+
+def untraceable_tensor(node: Node) -> Optional[str]:
+    """The type of a tensor argument of the opaque call ``node`` that cannot be faked for a
+    trace (a tensor subclass: a DTensor, a weight wrapper), or None."""
+    if not _opaque(node):
+        return None
+    for a in (*node.args, *node.kwargs.values()):
+        value = example_value(a) if isinstance(a, Node) else None
+        if isinstance(value, torch.Tensor) and _tensor_spec(a) is None:
+            return type(value).__name__
+    return None
 
 
 def _tensor_spec(node: Node) -> Optional[tuple]:

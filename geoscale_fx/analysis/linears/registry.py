@@ -6,8 +6,9 @@ one module with its recognizer and one entry here. ``low_precision_linear(node, 
 traces ``node`` (once per call signature: the answer is cached by the call's target, its
 tensors' shapes and dtypes, and its constant arguments' values) and returns the first
 kind's answer whose input is an activation and whose weight is a function of parameters,
-2-D. A call that casts to FP8 in a form no kind recognizes is refused with a reason
-(``unrecognized_cast``): what it outputs is not a function the bounds know.
+2-D. A call that casts to FP8 or multiplies matrices in a form no kind recognizes, or takes
+a tensor subclass no trace can fake, is refused with a reason (``unrecognized_cast``): what
+it outputs is not a function the bounds know.
 
 Example (Llama's ``q_proj`` converted by ``convert_to_float8_training``)::
 
@@ -27,7 +28,7 @@ from geoscale_fx.analysis.linears.float8_matmul import (
     Found, dequantized_mm_linear, scaled_mm_linear,
 )
 from geoscale_fx.analysis.linears.opaque_calls import (
-    CallSignature, TracedCall, call_name, call_signature, traced_call,
+    CallSignature, TracedCall, call_name, call_signature, traced_call, untraceable_tensor,
 )
 
 __all__ = ["LINEAR_KINDS", "low_precision_linear", "unrecognized_cast"]
@@ -44,10 +45,19 @@ _CACHE_SIZE = 64
 _answers: "OrderedDict[tuple, Union[tuple, str, None]]" = OrderedDict()
 
 
+#: ATen products: a call computing one mixes features, which the index replay cannot follow
+_PRODUCTS = frozenset({A.mm.default, A.bmm.default, A.addmm.default, A.baddbmm.default,
+                       A._scaled_mm.default, A.convolution.default})
+
+
 def _casts_to_fp8(traced: TracedCall) -> bool:
     return any(is_op(n, A._scaled_mm.default) or (
         is_op(n, A._to_copy.default) and n.kwargs.get("dtype") in FP8_STORAGE)
         for n in traced.graph.graph.nodes)
+
+
+def _multiplies(traced: TracedCall) -> bool:
+    return any(is_op(n, *_PRODUCTS) for n in traced.graph.graph.nodes)
 
 
 def _recognize(signature: CallSignature) -> Union[tuple, str, None]:
@@ -59,12 +69,15 @@ def _recognize(signature: CallSignature) -> Union[tuple, str, None]:
         if found is not None:
             return (traced.tensor_args.index(found.x), traced.tensor_args.index(found.weight),
                     found.cast)
+    call = f"`{signature.node.name}` ({call_name(signature.node.target)}), which"
     if _casts_to_fp8(traced):
-        return (f"`{signature.node.name}` ({call_name(signature.node.target)}), which "
-                "computes with FP8 casts in a form no "
-                "low-precision linear kind recognizes (geoscale_fx.analysis.linears: an FP8 "
-                "matmul whose input is cast with scales from its own values and dequantized "
-                "by them), so what it outputs is not bounded")
+        return (f"{call} computes with FP8 casts in a form no low-precision linear kind "
+                "recognizes (geoscale_fx.analysis.linears: an FP8 matmul whose input is cast "
+                "with scales from its own values and dequantized by them), so what it "
+                "outputs is not bounded")
+    if _multiplies(traced):
+        return (f"{call} computes a matrix product that is no projection the analysis "
+                "knows, so what it outputs is not bounded")
     return None
 
 
@@ -99,7 +112,13 @@ def low_precision_linear(node: Node, kinds: ValueKinds) -> Optional[Found]:
 
 
 def unrecognized_cast(node: Node, kinds: ValueKinds) -> Optional[str]:
-    """Why ``node``, an opaque call that casts to FP8 in a form no kind recognizes, bounds
-    nothing it outputs (a walk must stop there); None for any other node."""
+    """Why ``node``, an opaque call that computes with FP8 casts or a matrix product in a
+    form no kind recognizes, or that takes a tensor no trace can fake, bounds nothing it
+    outputs (a walk must stop there); None for any other node (an opaque call that only
+    moves or scales values elementwise is replayed as before)."""
+    untraceable = untraceable_tensor(node)
+    if untraceable is not None:
+        return (f"`{node.name}` ({call_name(node.target)}), which takes a {untraceable} "
+                "that the analysis cannot trace, so what it outputs is not bounded")
     _, answer = _answer(node, kinds)
     return answer if isinstance(answer, str) else None

@@ -38,3 +38,35 @@ def test_every_kind_is_a_function_of_a_traced_call():
     assert len(LINEAR_KINDS) == 2 and all(callable(k) for k in LINEAR_KINDS)
     assert low_precision_linear.__module__ == registry.__name__
     assert torch.float8_e4m3fn in registry.FP8_STORAGE
+
+
+@torch._dynamo.allow_in_graph
+def _opaque_product(x, w):
+    return x @ w.t()
+
+
+@torch._dynamo.allow_in_graph
+def _opaque_scale(x):
+    return x * 2
+
+
+class _Calls(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        return _opaque_product(x, self.w), _opaque_scale(x)
+
+
+def test_an_opaque_product_is_refused_an_opaque_elementwise_call_is_not():
+    from geoscale_fx.analysis.capture import capture_graphs
+    from geoscale_fx.analysis.fx.graph_ops import ValueKinds
+
+    (graph,) = capture_graphs(_Calls(), torch.randn(2, 16))
+    kinds = ValueKinds(graph.gm.graph, graph.example_inputs)
+    product, = [n for n in graph.gm.graph.nodes if n.target is _opaque_product]
+    scale, = [n for n in graph.gm.graph.nodes if n.target is _opaque_scale]
+    assert low_precision_linear(product, kinds) is None
+    assert "computes a matrix product that is no projection" in unrecognized_cast(product, kinds)
+    assert unrecognized_cast(scale, kinds) is None and low_precision_linear(scale, kinds) is None
