@@ -107,24 +107,32 @@ def _scaled_product(node: Node, source: Node) -> Optional[tuple[Node, Node]]:
     return None
 
 
-def _amax_groups(amax: Node, operand: Node, source: Node, scale: Node) -> Optional[str]:
-    """The groups of ``amax`` = max|v| (``"tensor"``, ``"rows"`` …) when its reduction is
-    the one that ``scale`` broadcasts over ``operand``; None otherwise."""
+def _exact_source(node: Any) -> Any:
+    """``node`` behind casts that keep every value, views not passed (positions matter)."""
+    while isinstance(node, Node) and _copy_dtype(node) is not None and \
+            upcast_source(node) is not node and strip_views(node.args[0]) is node.args[0]:
+        node = node.args[0]
+    return node
+
+
+def _amax_groups(amax: Node, operand: Node, scale: Node) -> Optional[str]:
+    """The groups of ``amax`` = max|v| (``"tensor"``, ``"rows"`` …) when it reduces the very
+    tensor ``scale`` multiplies (``operand``, up to exact upcasts: same positions) over the
+    dims ``scale`` is broadcast along; None otherwise."""
     if not is_op(amax, A.max.default, A.amax.default) or not is_op(amax.args[0], A.abs.default):
         return None
-    if upcast_source(amax.args[0].args[0]) is not source:
+    if _exact_source(amax.args[0].args[0]) is not _exact_source(operand):
         return None
     shape, s_shape = tuple(val(operand).shape), tuple(val(scale).shape)
     if is_op(amax, A.max.default):
         return "tensor" if val(scale).numel() == 1 else None
     dims = amax.args[1] if len(amax.args) > 1 else amax.kwargs.get("dim", [])
     keep = amax.args[2] if len(amax.args) > 2 else amax.kwargs.get("keepdim", False)
-    if not keep or len(s_shape) != len(shape):
+    if not keep or len(s_shape) != len(shape) or tuple(val(amax).shape) != s_shape:
         return None
     reduced = {d % len(shape) for d in dims}
     for i, (n, m) in enumerate(zip(shape, s_shape)):
-        if (i in reduced) != (m == 1 and n != 1) and not (m == 1 and n == 1) or \
-                (i not in reduced and m != n):
+        if m != (1 if i in reduced else n):      # one scale per group, one group per scale
             return None
     return "rows" if reduced == {len(shape) - 1} else f"groups over dims {sorted(reduced)}"
 
@@ -179,7 +187,7 @@ def dynamic_cast(node: Any, source: Node) -> Optional[tuple[DynamicCast, Node]]:
     if rule is None:
         return None
     amax, target, eps, pow2 = rule
-    groups = _amax_groups(amax, operand, source, scale)
+    groups = _amax_groups(amax, operand, scale)
     if groups is None:
         return None
     cast = DynamicCast(str(dtype).removeprefix("torch."), clip=clip, scaled_max=target,
