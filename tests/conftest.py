@@ -69,7 +69,7 @@ SLOW_MODULES = {"test_bench", "test_decode", "test_cached_keys", "test_streaming
                 "test_nvfp4", "test_attention_scales", "test_restore", "test_clients",
                 "test_bench_rl", "test_memory", "test_encoder_families",
                 "test_streaming_families", "test_partial_export", "test_bench_host_overhead",
-                "test_export_safety"}
+                "test_export_safety", "test_fp8_weight_checkpoints"}
 #: test modules that start several processes (gloo)
 DISTRIBUTED_MODULES = {"test_distributed"}
 

@@ -19,7 +19,10 @@ functions. ``read(names)`` reads the tensors behind model parameter names: a ren
 as stored, a converted one by running its converter's operations on the stored tensors it
 collects, each cast first to the dtype of the parameter it loads into (as loading does).
 A name with no source is looked up under its own name, so that the reader's refusal names
-it (``CheckpointReader``: missing, or not finite).
+it (``CheckpointReader``: missing, or not finite). A stored FP8 tensor with a
+``<name>_scale_inv`` beside it (an FP8-weight checkpoint) is read as its dequantized values
+(``fp8_weights.dequantize``, blocks of the config's ``weight_block_size``), as
+``from_pretrained`` dequantizes it.
 
 Example::
 
@@ -37,6 +40,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from geoscale_fx.export.fp8_weights import (
+    FP8_WEIGHT_DTYPES, block_size, dequantize, scale_name,
+)
 from geoscale_fx.export.safetensors_reader import CheckpointReader
 
 __all__ = ["CheckpointKeys"]
@@ -55,6 +61,7 @@ class CheckpointKeys:
 
         self.reader = reader
         self._model = model
+        self._block = block_size(getattr(model, "config", None))
         self._dtypes = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items()}
         transforms = get_model_conversion_mapping(model) if hasattr(
             model, "base_model_prefix") else []
@@ -110,12 +117,24 @@ class CheckpointKeys:
         by stored name)."""
         names = list(dict.fromkeys(names))
         direct = {n: self._renamed.get(n, n) for n in names if self._producer(n) is None}
-        stored = self.reader.read(direct.values(), finite)
+        stored = self._stored(direct.values(), finite)
         out = {n: stored[k] for n, k in direct.items()}
         for first in dict.fromkeys(self._producer(n) for n in names if n not in direct):
             built = self._convert(first, finite)
             out.update({n: built[n] for n in names if n in built})
         return out
+
+    def _stored(self, keys: Iterable[str], finite: bool = True) -> dict[str, torch.Tensor]:
+        """``reader.read(keys)``, an FP8 tensor with a stored ``_scale_inv`` dequantized
+        (float32; the module doc)."""
+        keys = list(dict.fromkeys(keys))
+        scales = [scale_name(k) for k in keys if scale_name(k) in self.reader]
+        tensors = self.reader.read(keys + scales, finite)
+        for key in keys:
+            if tensors[key].dtype in FP8_WEIGHT_DTYPES and scale_name(key) in tensors:
+                tensors[key] = dequantize(tensors[key], tensors[scale_name(key)], self._block,
+                                          key)
+        return {k: tensors[k] for k in keys}
 
     def _producer(self, name: str) -> str | None:
         """The first target of the converter that builds ``name``, if one does."""
@@ -160,7 +179,7 @@ class CheckpointKeys:
         converter = copy.deepcopy(template)
         dtype = self._dtypes[first]
         keys = [k for k, _ in sources]
-        tensors = self.reader.read(keys, finite) if tensors is None else tensors
+        tensors = self._stored(keys, finite) if tensors is None else tensors
         for key, pattern in sources:
             converter.add_tensor(first, key, pattern, tensors[key].to(dtype))
         with torch.no_grad():

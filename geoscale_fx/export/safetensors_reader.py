@@ -74,14 +74,16 @@ class CheckpointReader:
                                   f"missing ({self.listing} does not list it)") from None
 
     def floating_dtype(self) -> torch.dtype:
-        """The dtype of the first floating tensor of the first file (what
-        ``from_pretrained(dtype="auto")`` takes when ``config.json`` names none)."""
+        """The dtype of the first floating tensor of the first file, FP8 ones passed over
+        (what ``from_pretrained(dtype="auto")`` takes when ``config.json`` names none; FP8
+        weights are dequantized to it)."""
         first = sorted(set(self.weight_map.values()))[0]
         with open_safetensors(self.directory / first) as f:
             for name in f.keys():
                 dtype = f.get_slice(name).get_dtype()
                 value = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
-                if isinstance(value, torch.dtype) and value.is_floating_point:
+                if isinstance(value, torch.dtype) and value.is_floating_point and \
+                        value.itemsize > 1:     # FP8 weights are dequantized on load
                     return value
         return torch.get_default_dtype()
 

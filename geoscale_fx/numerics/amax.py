@@ -36,30 +36,36 @@ __all__ = ["side_amax", "site_amax_bounds", "cache_write_bounds"]
 
 
 def side_amax(side: Side, resolve) -> torch.Tensor:
-    """``(n_heads,)`` float64: bound on ``max_i |entry i|`` of each head of ``side``."""
+    """``(n_heads,)`` float64: bound on ``max_i |entry i|`` of each head of ``side``. A
+    low-precision projection (``Side.cast``) widens ``ρ`` and adds its ball ``R_h``
+    (``numerics.cast_envelope``: ``|e_h,i| ≤ ‖e_h‖ ≤ R_h``, before any rotation)."""
     if side.observed:
         raise ValueError("keys read from a cache are bounded by their actual values when the "
                          "graph runs, not from the weights")
-    a, c = head_weights.side_heads(side, resolve, dtype=torch.float64)   # exact fold
+    a, c, envelope = head_weights.side_heads_envelope(side, resolve,
+                                                      dtype=torch.float64)   # exact fold
     c = None if c is None else c.detach().double()
     rho = head_weights.side_radius(side, resolve)
+    extra = 0.0
+    if envelope is not None:
+        rho, extra = rho * envelope.radius_factor, envelope.deviation
     if side.rotary is not None and not side.pairs:     # stacked rotations: the head's norm
         norms = spectral.head_spectral_norms(a.detach().double())
         cn = torch.zeros_like(norms) if c is None else torch.linalg.vector_norm(c, dim=-1)
-        bound = side.rotary.factor * (rho * norms + cn)
+        bound = side.rotary.factor * (rho * norms + cn + extra)
         return bound * abs(side.operand_gain) * side.position_gain
     rows = _rows(a)                                                          # (n, d_h, d)
     if side.rotary is None:
-        bound = _channel_bound(rows, c, rho).amax(dim=-1)
+        bound = _channel_bound(rows, c, rho).amax(dim=-1) + extra
     elif all(p >= 0 for p in side.pairs):
-        bound = _pair_bound(rows, c, rho, side.pairs) * side.rotary.factor
+        bound = (_pair_bound(rows, c, rho, side.pairs) + extra) * side.rotary.factor
     else:                        # a partial rotation: rotated pairs and plain channels
         rotated = [i for i, p in enumerate(side.pairs) if p >= 0]
         plain = torch.tensor([i for i, p in enumerate(side.pairs) if p < 0], device=a.device)
-        pairs = _pair_bound(rows, c, rho, side.pairs, rotated) * side.rotary.factor
+        pairs = (_pair_bound(rows, c, rho, side.pairs, rotated) + extra) * side.rotary.factor
         entry = _channel_bound(rows.index_select(-2, plain),
                                None if c is None else c.index_select(-1, plain), rho)
-        bound = torch.maximum(pairs, entry.amax(dim=-1))
+        bound = torch.maximum(pairs, entry.amax(dim=-1) + extra)
     return bound * abs(side.operand_gain) * side.position_gain
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from geoscale_fx.numerics import head_weights, logit_bounds
+from geoscale_fx.numerics.cast_envelope import head_norms
 from geoscale_fx.core import schatten, spectral
 from geoscale_fx.core.bounds import round_up_f32
 from geoscale_fx.sites.terms import HeadWeights, Term
@@ -180,19 +181,28 @@ class ExactNormProduct(Estimator):
         state[self.name("norm_product")].copy_(round_up_f32(nq * nk.repeat_interleave(group)))
         return logit_bounds.norm_product_bound(self.term, hw, nq, nk, self.softmax_scale)
 
-    def _norms(self, a: torch.Tensor) -> torch.Tensor:
-        return spectral.head_spectral_norms(a)
+    def _norms(self, a: torch.Tensor, envelope) -> torch.Tensor:
+        return head_norms(a, envelope)
 
     def bound(self, hw, state):
-        return self._bound(self._norms(hw.a_q), self._norms(hw.a_k), hw, state)
+        return self._bound(self._norms(hw.a_q, hw.cast_q), self._norms(hw.a_k, hw.cast_k), hw,
+                           state)
+
+
+def _schatten_norms(a: torch.Tensor, envelope) -> torch.Tensor:
+    """Upper bounds of ``‖A_h‖₂``: a low-precision projection's envelope's own (exact)
+    norms, else the Schatten bound (``schatten.head_norms``: matmuls only)."""
+    if envelope is not None and envelope.a_norms is not None:
+        return envelope.a_norms
+    return schatten.head_norms(a)
 
 
 class SchattenNormProduct(ExactNormProduct):
     """RoPE, certified: Schatten upper bounds of ``‖A_q,h‖`` and ``‖A_k,g(h)‖`` every step
-    (``schatten.head_norms``: matmuls only)."""
+    (``_schatten_norms``)."""
 
-    def _norms(self, a):
-        return schatten.head_norms(a)
+    def _norms(self, a, envelope):
+        return _schatten_norms(a, envelope)
 
 
 class PowerNormProduct(ExactNormProduct):
@@ -270,6 +280,8 @@ class ExactObservedKeys(ExactNormProduct):
     def _query_factor(self, nq, hw) -> torch.Tensor:
         cq = (torch.zeros_like(nq) if hw.c_q is None
               else torch.linalg.vector_norm(hw.c_q.double(), dim=-1))
+        if hw.cast_q is not None:     # a low-precision query projection's ball around c
+            cq = cq + hw.cast_q.deviation
         return (abs(self.softmax_scale) * self.term.operand_scale
                 * (hw.radii(self.term)[0] * nq.double() + cq))
 
@@ -282,7 +294,7 @@ class ExactObservedKeys(ExactNormProduct):
         return bound
 
     def _query_norms(self, hw, state) -> torch.Tensor:
-        return spectral.head_spectral_norms(hw.a_q)
+        return head_norms(hw.a_q, hw.cast_q)
 
     def bound(self, hw, state):
         factor = self._query_factor(self._query_norms(hw, state), hw)
@@ -309,7 +321,7 @@ class SchattenObservedKeys(ExactObservedKeys):
     """As ``ExactObservedKeys``, the query side's norms bounded by their Schatten norms."""
 
     def _query_norms(self, hw, state):
-        return schatten.head_norms(hw.a_q)
+        return _schatten_norms(hw.a_q, hw.cast_q)
 
 
 class PowerObservedKeys(ExactObservedKeys):

@@ -17,12 +17,15 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from geoscale_fx.core import spectral
+from geoscale_fx.numerics.cast_envelope import side_envelope
+from geoscale_fx.sites.linear_casts import CastEnvelope
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.terms import HeadWeights, Side, Term
 from geoscale_fx.core.parameter_radius import evaluate_radius
 
 __all__ = ["Resolve", "gather_heads", "gather_bias", "fold_channel_ops", "observed_heads",
-           "side_heads", "side_radius", "key_head_norms", "term_head_weights",
+           "side_heads", "side_heads_envelope", "side_radius",
+           "key_head_norms", "term_head_weights",
            "site_term_weights", "site_head_weights"]
 
 Resolve = Callable[[str], torch.Tensor]
@@ -154,20 +157,33 @@ def key_head_norms(keys: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
 
 def side_heads(side: Side, resolve: Resolve, dtype: Optional[torch.dtype] = None
                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None.
+    """``(A, c)`` of one side: ``A: (n, d, d_h)``, ``c: (n, d_h)`` or None. A low-precision
+    projection's are those of its dequantized weight: its casts' effect is the envelope
+    (``side_heads_envelope``), which every bound must add.
 
     ``dtype=torch.float64`` folds exactly what a certified bound needs: ``diag(g)·W`` and a
     composed weight (LoRA, ``s·B·A``) then carry no float32 rounding, and ``c = Wᵀβ + b`` is a
     float64 sum (a float32 one lands up to ~d·2⁻²⁴ relative under the true value, so a scale
     rounded up from it could still sit below the bound). Default: the weights' own dtype
     (float32 at least), what the per-step estimators iterate on."""
+    a, c, _ = side_heads_envelope(side, resolve, dtype)
+    return a, c
+
+
+def side_heads_envelope(side: Side, resolve: Resolve, dtype: Optional[torch.dtype] = None
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[CastEnvelope]]:
+    """``(A, c, envelope)``: ``side_heads`` (``dtype`` as there) and, for a side whose
+    projection computes in low precision (``Side.cast``), what its casts can change
+    (``cast_envelope.side_envelope``; None otherwise)."""
     if side.observed:
-        return observed_heads(side, resolve)
+        return (*observed_heads(side, resolve), None)
     if side.weight is None:
-        return _normalized_heads(side, resolve)
+        return (*_normalized_heads(side, resolve), None)
     if dtype is not None and (side.inner is not None or side.low_rank):
         resolve = _resolving_as(resolve, dtype)          # the composition rounds too
     weight = resolve(side.weight)
+    if side.cast is not None:           # the weight the linear multiplies by: W̃
+        weight = side.cast.weight(weight)
     if side.inner is not None:           # s·B·A
         weight = side.weight_scale * (weight @ resolve(side.inner))
     for a, b, ratio in side.low_rank:   # W + ratio·B·A (LoRA), both oriented like W
@@ -183,7 +199,11 @@ def side_heads(side: Side, resolve: Resolve, dtype: Optional[torch.dtype] = None
         gain = gain.to(device=w_heads.device, dtype=w_heads.dtype)
     if offset is not None:
         offset = offset.to(device=w_heads.device, dtype=w_heads.dtype)
-    return spectral.fold_affine(w_heads, gain, offset, bias_heads)
+    a, c = spectral.fold_affine(w_heads, gain, offset, bias_heads)
+    if side.cast is None:
+        return a, c, None
+    envelope = side_envelope(side.cast, w_heads, a, gain, offset, side_radius(side, resolve))
+    return a, c, envelope
 
 
 def _resolving_as(resolve: Resolve, dtype: torch.dtype) -> Resolve:
@@ -203,11 +223,11 @@ def side_radius(side: Side, resolve: Resolve):
 
 
 def term_head_weights(term: Term, resolve: Resolve) -> HeadWeights:
-    a_q, c_q = side_heads(term.q, resolve)
-    a_k, c_k = side_heads(term.k, resolve)
+    a_q, c_q, cast_q = side_heads_envelope(term.q, resolve)
+    a_k, c_k, cast_k = side_heads_envelope(term.k, resolve)
     rho_q = side_radius(term.q, resolve) if term.q.source.bounded else None
     rho_k = side_radius(term.k, resolve) if term.k.source.bounded else None
-    return HeadWeights(a_q, c_q, a_k, c_k, rho_q, rho_k)
+    return HeadWeights(a_q, c_q, a_k, c_k, rho_q, rho_k, cast_q, cast_k)
 
 
 def site_term_weights(site: AttentionSite) -> list[HeadWeights]:

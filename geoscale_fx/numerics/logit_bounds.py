@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from geoscale_fx.numerics import relative_rope_bound
+from geoscale_fx.numerics.cast_envelope import head_norms, widening
 from geoscale_fx.core import bounds, spectral
 from geoscale_fx.numerics.head_weights import Resolve, site_term_weights
 from geoscale_fx.sites.model import ROPE_BOUNDS, AttentionSite
@@ -36,7 +37,9 @@ def sigma_bound(term: Term, head_weights: HeadWeights, sigma: torch.Tensor,
     """``bounds.affine_logit_bound`` of a term from ``σ`` per head (or per layer, (1,)).
 
     With RoPE this is the paper's position-independent interaction bound times the rotation
-    gain: an assumption, not a proof (the caller marks the site uncertified).
+    gain: an assumption, not a proof (the caller marks the site uncertified). A
+    low-precision projection's casts widen the radii (``hw.radii``) and add their
+    ``cast_envelope.widening``.
     """
     a_q, c_q, a_k, c_k = head_weights
     rho_q, rho_k = head_weights.radii(term)
@@ -47,20 +50,29 @@ def sigma_bound(term: Term, head_weights: HeadWeights, sigma: torch.Tensor,
     else:
         bound = bounds.affine_logit_bound(sigma, aq_ck, ak_cq, cq_ck, radius_q=rho_q,
                                           radius_k=rho_k, softmax_scale=abs(softmax_scale))
+    if head_weights.cast:
+        extra = widening(term, head_weights, softmax_scale)
+        bound = bound + (extra.amax().reshape(1) if bound.shape[0] == 1 else extra)
     return bound * term.operand_scale
 
 
 def norm_product_bound(term: Term, head_weights: HeadWeights, aq_norm: torch.Tensor,
                        ak_norm: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Certified RoPE bound from per-head ``‖A_q,h‖`` (n_q,) and ``‖A_k,g‖`` (n_kv,)."""
+    """Certified RoPE bound from per-head ``‖A_q,h‖`` (n_q,) and ``‖A_k,g‖`` (n_kv,). A
+    low-precision projection's ball ``R_h`` around ``c_h`` adds to ``‖c_h‖``
+    (``cast_envelope``: the product is then ``(N_q + R_q)(N_k + R_k)``)."""
     _, c_q, _, c_k = head_weights
     rho_q, rho_k = head_weights.radii(term)
     group = aq_norm.shape[0] // ak_norm.shape[0]
-    ak_norm = ak_norm.repeat_interleave(group)
-    zeros = aq_norm.new_zeros(aq_norm.shape, dtype=torch.float64)
-    cq_norm = zeros if c_q is None else torch.linalg.vector_norm(c_q.double(), dim=-1)
-    ck_norm = zeros if c_k is None else torch.linalg.vector_norm(
-        c_k.double(), dim=-1).repeat_interleave(group)
+    cq_norm = aq_norm.new_zeros(aq_norm.shape, dtype=torch.float64) if c_q is None else \
+        torch.linalg.vector_norm(c_q.double(), dim=-1)
+    ck_norm = ak_norm.new_zeros(ak_norm.shape, dtype=torch.float64) if c_k is None else \
+        torch.linalg.vector_norm(c_k.double(), dim=-1)
+    if head_weights.cast_q is not None:
+        cq_norm = cq_norm + head_weights.cast_q.deviation
+    if head_weights.cast_k is not None:
+        ck_norm = ck_norm + head_weights.cast_k.deviation
+    ak_norm, ck_norm = ak_norm.repeat_interleave(group), ck_norm.repeat_interleave(group)
     return bounds.norm_product_logit_bound(aq_norm, ak_norm, cq_norm, ck_norm,
                                            radius_q=rho_q, radius_k=rho_k,
                                            softmax_scale=abs(softmax_scale),
@@ -77,8 +89,8 @@ def term_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeights,
     """
     if term.rope and rope_bound == "norm_product":
         return norm_product_bound(term, head_weights,
-                                  spectral.head_spectral_norms(head_weights.a_q),
-                                  spectral.head_spectral_norms(head_weights.a_k),
+                                  head_norms(head_weights.a_q, head_weights.cast_q),
+                                  head_norms(head_weights.a_k, head_weights.cast_k),
                                   site.softmax_scale)
     if term.rope and rope_bound == "relative":
         return relative_rope_bound.relative_logit_bound(site, term, head_weights)

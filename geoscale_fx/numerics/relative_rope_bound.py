@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from geoscale_fx.numerics.cast_envelope import widening
 from geoscale_fx.sites.model import AttentionSite
 from geoscale_fx.sites.terms import HeadWeights, Term
 
@@ -103,4 +104,7 @@ def relative_logit_bound(site: AttentionSite, term: Term, head_weights: HeadWeig
         if c_k is not None:
             total = total + (cq[:, None, None, :] @ t[None] @ ck[:, None, :, None]).abs()[..., 0, 0]
     gain = rq.factor * rk.factor * term.q.position_gain * term.k.position_gain
-    return abs(site.softmax_scale) * gain * total.amax(dim=1)
+    bound = abs(site.softmax_scale) * total.amax(dim=1)
+    if head_weights.cast:     # a low-precision projection's casts (``cast_envelope``)
+        bound = bound + widening(term, head_weights, site.softmax_scale)
+    return gain * bound

@@ -24,6 +24,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 import torch
 
 from geoscale_fx.core.parameter_radius import radius_nodes
+from geoscale_fx.sites.linear_casts import CastEnvelope, LinearCast
 
 __all__ = ["Rotary", "Source", "Side", "Term", "Modifier", "HeadWeights"]
 
@@ -140,6 +141,9 @@ class Side:
     #: per head channel, the channel it is rotated with (-1: none); () when unknown
     #: (stacked rotations): then only the whole head vector's norm bounds an entry
     pairs: tuple[int, ...] = ()
+    #: the projection computes in low precision (an FP8 training linear): its input's cast
+    #: and the program of its dequantized weight (``sites.linear_casts``)
+    cast: Optional[LinearCast] = None
 
     @property
     def n_heads(self) -> int:
@@ -264,12 +268,27 @@ class HeadWeights:
     #: (float64, 0-dim); None: the side's own fixed ``radius``
     rho_q: Optional[torch.Tensor] = None
     rho_k: Optional[torch.Tensor] = None
+    #: a low-precision projection's effect on the side (``A``, ``c`` are then of the
+    #: dequantized weight): its source's radius widened, a ball around ``c``
+    cast_q: Optional[CastEnvelope] = None
+    cast_k: Optional[CastEnvelope] = None
 
     def __iter__(self):
         return iter((self.a_q, self.c_q, self.a_k, self.c_k))
 
     def radii(self, term: "Term") -> tuple:
         """``(ρ_q, ρ_k)``: the evaluated radius of a side bounded by value, else its own
-        (a float: the numbers of normalized sources are unchanged)."""
-        return (term.q.radius if self.rho_q is None else self.rho_q,
-                term.k.radius if self.rho_k is None else self.rho_k)
+        (a float: the numbers of normalized sources are unchanged), times the widening of
+        a low-precision projection's input cast."""
+        rho_q = term.q.radius if self.rho_q is None else self.rho_q
+        rho_k = term.k.radius if self.rho_k is None else self.rho_k
+        if self.cast_q is not None:
+            rho_q = rho_q * self.cast_q.radius_factor
+        if self.cast_k is not None:
+            rho_k = rho_k * self.cast_k.radius_factor
+        return rho_q, rho_k
+
+    @property
+    def cast(self) -> bool:
+        """Either side is a low-precision projection."""
+        return self.cast_q is not None or self.cast_k is not None

@@ -23,7 +23,7 @@ from geoscale_fx.analysis.fx.graph_ops import (
 from geoscale_fx.analysis.index.index_track import Unsupported
 from geoscale_fx.analysis.modifiers.draft import ModifierDraft, Route
 from geoscale_fx.analysis.sides.sink_bound import sink_side
-from geoscale_fx.numerics.head_weights import side_heads, side_radius
+from geoscale_fx.numerics.head_weights import side_heads_envelope, side_radius
 from geoscale_fx.sites.terms import Modifier, Side
 
 __all__ = ["Sink", "SinkDraft", "recognize", "in_product"]
@@ -45,12 +45,18 @@ class Sink(Modifier):
 
 
 def _projected_sink_bound(side: Side, resolve) -> torch.Tensor:
-    """``max_f ρ‖A_f‖ + |c_f|`` (float64): every sink logit ``A_fᵀx̂ + c_f`` with ``‖x̂‖ ≤ ρ``."""
-    a, c = side_heads(side, resolve)                                 # (F, d, 1), (F, 1)
+    """``max_f ρ‖A_f‖ + |c_f|`` (float64): every sink logit ``A_fᵀx̂ + c_f`` with ``‖x̂‖ ≤ ρ``
+    (a low-precision projection: ``ρ`` widened and its ball ``R_f`` added,
+    ``numerics.cast_envelope``)."""
+    a, c, envelope = side_heads_envelope(side, resolve)              # (F, d, 1), (F, 1)
     rho = side_radius(side, resolve)
+    if envelope is not None:
+        rho = rho * envelope.radius_factor
     bound = rho * torch.linalg.vector_norm(a.detach().double(), dim=(-2, -1))
     if c is not None:
         bound = bound + c.detach().double().abs().reshape(-1)
+    if envelope is not None:
+        bound = bound + envelope.deviation
     return bound.amax()
 
 

@@ -7,7 +7,8 @@ the same normalized source the side's weight is ``W + s·B·A`` (``Side.low_rank
 adapter reads its own input (adapter dropout in training: ``A`` reads ``dropout(x)``) it is
 a side of its own, and ``q·k`` is the sum over every pair of query and key sides, one term
 each. A sum that is not a second map of the same features (a mix of two projections), or an
-added map with a bias or a dense layout, is refused naming the attention node.
+added map with a bias or a dense layout, or a map added to (or made by) a low-precision
+linear, is refused naming the attention node.
 """
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def fold_added_maps(cand: Candidate, role: str, trace: OperandTrace, root: int, 
         if projection.bias is not None or projection.layout != "linear":
             raise Unsupported(f"`{cand.node.name}`: the {role}'s added map "
                               f"`{projection.root.name}` has a bias or a dense weight layout")
+        if side.cast is not None or projection.cast is not None:
+            raise Unsupported(f"`{cand.node.name}`: the {role}'s projection adds a map "
+                              f"`{projection.root.name}` to a low-precision linear's output "
+                              "(an adapter on an FP8 linear): not supported")
         source = input_source(projection.x, kinds, projection.root)
         inner = projection.inner.name if projection.inner is not None else None
         names = tuple(parameter_name(n) for n in (projection.inner, projection.weight)

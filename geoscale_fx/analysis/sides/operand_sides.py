@@ -118,7 +118,7 @@ def projection_side(trace_proj: ProjectionOp, rows: HeadRows, source: Source, ro
         features=features if features is not None else rows.features,
         bias=trace_proj.bias.name if trace_proj.bias is not None else None, rotary=rotary,
         weight_param=weight_param, bias_param=bias_param, bias_offset=bias_offset,
-        operand_gain=rows.gain)
+        operand_gain=rows.gain, cast=trace_proj.cast)
 
 
 def position_gain(cand: Candidate, role: str, rows: HeadRows, records: ReplayRecords

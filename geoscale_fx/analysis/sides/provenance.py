@@ -9,7 +9,7 @@ per-head feature lists. All failures raise ``Unsupported`` naming the node.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -28,6 +28,9 @@ from geoscale_fx.analysis.norms.normalization import (
 )
 from geoscale_fx.analysis.norms.bounded_operand import bounded_root
 from geoscale_fx.analysis.index.replay_records import ReplayRecords
+from geoscale_fx.analysis.linears.registry import low_precision_linear, unrecognized_cast
+from geoscale_fx.analysis.linears.subclass_weights import subclass_weight
+from geoscale_fx.sites.linear_casts import LinearCast
 
 __all__ = ["ProjectionOp", "NormalizedInput", "NormUnit", "OperandTrace", "trace_operand",
            "trace_normalized_input", "head_rows", "HeadRows", "projection_at"]
@@ -47,6 +50,8 @@ class ProjectionOp:
     bias: Optional[Node]
     #: a low-rank chain ``linear(linear(x, A), B)`` (a LoRA adapter): W = B·A, ``inner`` = A
     inner: Optional[Node] = None
+    #: a low-precision linear (an FP8 training linear, ``analysis.linears``): how it casts
+    cast: Optional[LinearCast] = None
 
 
 @dataclass
@@ -78,6 +83,8 @@ class OperandTrace:
 
 def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
     op = op_of(node)
+    if subclass_weight(node) is not None:      # what runs is not x·Wᵀ (MX training weights)
+        return None
     if op == "linear":
         x, w, b = node.args[0], node.args[1], arg(node, 2, "bias")
         if kinds.is_activation(x) and kinds.is_param(w) and (b is None or kinds.is_param(b)):
@@ -102,7 +109,11 @@ def _weight_of(node: Node, kinds: ValueKinds) -> Optional[ProjectionOp]:
                 features = (shape_of(p) or (0,))[-1]
                 if inner is not None and inner.bias is None and \
                         shape_of(b) == (features,) and len(p.users) == 1:
-                    return ProjectionOp(node, inner.x, inner.weight, inner.layout, b)
+                    return replace(inner, root=node, bias=b)
+    elif op is None:   # an opaque call: a low-precision linear (``analysis.linears``)?
+        found = low_precision_linear(node, kinds)
+        if found is not None:
+            return ProjectionOp(node, found.x, found.weight, "dense", None, cast=found.cast)
     return None
 
 
@@ -162,6 +173,10 @@ def find_projection(operand: Node, kinds: ValueKinds, role: str
         if found is not None:  # an ``add`` root stops the walk before the linear under it
             frontier[found.root] = found
             continue
+        refusal = unrecognized_cast(node, kinds) if op_of(node) is None else \
+            subclass_weight(node)
+        if refusal is not None:   # a low-precision product the bounds cannot see through
+            raise Unsupported(f"the {role} `{operand.name}` comes through {refusal}")
         unit = _norm_unit(node, kinds, len(units) + 1)
         if unit is not None:   # jump over the normalization's internals
             units[node] = unit
@@ -317,7 +332,10 @@ def head_rows(track: Track, node: Node, role: str) -> HeadRows:
 
 def parameter_names(projection: ProjectionOp) -> tuple[str, str]:
     weight = strip_casts(projection.weight)
-    bias = projection.bias
+    if op_of(weight) in ("t", "transpose") and isinstance(weight.args[0], Node) and \
+            strip_casts(weight.args[0]).op == "placeholder":   # ``W.t()``: name W
+        weight = strip_casts(weight.args[0])
+    bias = strip_casts(projection.bias)       # ``bias.to(dtype)``: name the bias
     return (parameter_name(weight) if weight.op == "placeholder" else weight.name,
             "" if bias is None else parameter_name(bias) if bias.op == "placeholder"
             else bias.name)

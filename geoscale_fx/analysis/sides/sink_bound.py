@@ -53,4 +53,5 @@ def sink_side(sink: Node, kinds: ValueKinds) -> Side:
                 features=tuple((f,) for f in range(width)),
                 bias=projection.bias.name if projection.bias is not None else None,
                 weight_param=weight_param, bias_param=bias_param,
-                inner=projection.inner.name if projection.inner is not None else None)
+                inner=projection.inner.name if projection.inner is not None else None,
+                cast=projection.cast)
