@@ -20,17 +20,8 @@ from typing import Any, Callable
 import torch
 from torch._dynamo import eval_frame
 
-__all__ = ["TORCH_RELEASE", "compile_isolated", "region_entries", "has_isolated_recompiles",
+__all__ = ["compile_isolated", "region_entries", "has_isolated_recompiles",
            "resolve_source_value", "traced_dtensor_method"]
-
-
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-#: the installed torch's (major, minor), for messages; features are detected, not versioned
-TORCH_RELEASE: tuple[int, int] = _release(torch.__version__)
 
 
 @functools.lru_cache(maxsize=None)
