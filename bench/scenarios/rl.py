@@ -12,7 +12,9 @@ produced), the engine's forward through an FP8 cache with each source's scales g
 log-probabilities that are compared with the trainer's (the engine's forward without a cache,
 what the policy loss differentiates): ``bench.rl_metrics``. One forward through the cache
 reads, at every position, the same dequantized keys and values a token-by-token decode reads
-(tests check it), at one call instead of one per token.
+(tests check it), at one call instead of one per token; the FP8 sources go through one
+forward together, each in its own rows of the batch (``batched_fp8_cache``, tested against
+geoscale's FP8 cache).
 
 Two models, each in its own GRPO run from the same pretrained weights: the zoo LM (keys and
 values of order 1) and the same LM with its keys ×256 and its softmax scale /256
@@ -39,7 +41,8 @@ from bench.scenarios.rl_sources import (
     percentile_scales, unit_scales,
 )
 from bench.runner import Context, ScenarioResult
-from bench.scenarios.kv_cache import FMT, _cache, _shifted, _utilization
+from bench.scenarios.batched_fp8_cache import FMT, batched_fp8_cache, range_used
+from bench.scenarios.kv_cache import _shifted
 from bench.sync_cost import RL_BATCH, calibration_flops, geoscale_flops
 from geoscale_fx.kv_cache.manager import cache_argument
 
@@ -115,28 +118,32 @@ def seven_sources(engine, policy, trainer_batch: torch.Tensor, static: tuple
 
 
 def _measure(engine, policy, tokens, trainer_batch, static: tuple) -> dict:
-    """One sync: every source's log-ratios, saturations and range on the same tokens."""
+    """One sync: every source's log-ratios, saturations and range on the same tokens, the
+    FP8 sources and the band in one batch (``batched_fp8_cache``)."""
     engine.load_state_dict(policy.state_dict())
     scale_sets, seconds = seven_sources(engine, policy, trainer_batch, static)
     trainer = rollout_logits(engine, tokens, None)
+    fp8 = [(source, scales) for source, scales in zip(SOURCES, scale_sets) if scales is not None]
+    fp8 += [(f"band {k}", _shifted(scale_sets[0], 2 ** (k / 4))) for k in BAND]
+    cache = batched_fp8_cache(engine.config, [scales for _, scales in fp8], len(tokens))
+    logits = rollout_logits(engine, tokens.repeat(len(fp8), 1), cache).split(len(tokens))
+    used = range_used(cache)
     found = {"seconds": seconds}
-    for source, layer_scales in zip(SOURCES, scale_sets):
-        cache, counters = ((DynamicCache(config=engine.config), None) if layer_scales is None
-                           else _cache(engine, layer_scales))
-        delta = token_log_ratios(trainer, rollout_logits(engine, tokens, cache),
-                                 tokens[:, PROMPT_LEN:])
-        found[source] = {
-            "delta": delta, "mean": float(delta.abs().mean()), "max": float(delta.abs().max()),
-            "seq max": float(delta.sum(-1).abs().max()),
-            "saturated": 0 if counters is None else int(sum(int(c.sum()) for c in counters)),
-            "range used": None if layer_scales is None else _utilization(cache, layer_scales),
-            "max k scale": None if layer_scales is None else max(
-                float(s.scales(FMT)[0].max()) for s in layer_scales)}
-    for k in BAND:          # geoscale's scales × 2^(k/4): still certified, the grid moved
-        cache = _cache(engine, _shifted(scale_sets[0], 2 ** (k / 4)))[0]
-        found[f"band {k}"] = token_log_ratios(trainer, rollout_logits(engine, tokens, cache),
-                                              tokens[:, PROMPT_LEN:])
+    for g, ((name, scales), rollout) in enumerate(zip(fp8, logits)):
+        delta = token_log_ratios(trainer, rollout, tokens[:, PROMPT_LEN:])
+        found[name] = delta if name.startswith("band ") else _summarized(
+            delta, int(cache.saturated[g].sum()), float(used[g]),
+            max(float(s.scales(FMT)[0].max()) for s in scales))
+    plain = rollout_logits(engine, tokens, DynamicCache(config=engine.config))
+    found["no FP8"] = _summarized(token_log_ratios(trainer, plain, tokens[:, PROMPT_LEN:]),
+                                  0, None, None)
     return found
+
+
+def _summarized(delta: torch.Tensor, saturated: int, used, max_k_scale) -> dict:
+    return {"delta": delta, "mean": float(delta.abs().mean()),
+            "max": float(delta.abs().max()), "seq max": float(delta.sum(-1).abs().max()),
+            "saturated": saturated, "range used": used, "max k scale": max_k_scale}
 
 
 class _Syncs:
