@@ -59,6 +59,11 @@ FLOP_SHAPE = "Llama-2-7B"
 #: geoscale's scales are also measured × 2^(k/4) for these k: the rounding-noise band
 BAND = (1, 2, 3)
 BAND_ROW = "geoscale × 2^(k/4), k = 0..3"
+#: table column -> bench.rl_metrics.log_ratio_tails key
+COLUMNS = {"mean |Δ log p|": "mean", "p99.9 |Δ log p|": "p99.9", "max |Δ log p|": "max",
+           "seq |ΣΔ| p99": "seq p99", "seq |ΣΔ| max": "seq max", "tokens w>2": "tokens w > 2",
+           "seqs w∉[½,2]": "seqs w outside [1/2, 2]",
+           "seqs geo∉band": "seqs outside geometric band"}
 
 
 def _tokenizer():
@@ -216,6 +221,11 @@ def _summary(sync: dict) -> dict:
             for k, v in sync.items() if not k.startswith("band ")}
 
 
+def _digits(x: float) -> float:
+    """Four significant digits (a table cell; results.json keeps the per-sync values)."""
+    return float(f"{x:.4g}")
+
+
 def _median(values: list[float]) -> float:
     ranked = sorted(values)
     return ranked[(len(ranked) - 1) // 2]
@@ -234,16 +244,12 @@ def _rows(name: str, run: dict) -> list[dict]:
         timed = [s["seconds"][source] for s in per_sync if source in s["seconds"]]
         rows.append({
             "model": name, "source": source,
-            "mean |Δ log p|": tails["mean"], "p99.9 |Δ log p|": tails["p99.9"],
-            "max |Δ log p|": tails["max"], "seq |ΣΔ| p99": tails["seq p99"],
-            "seq |ΣΔ| max": tails["seq max"], "tokens w>2": tails["tokens w > 2"],
-            "seqs w∉[½,2]": tails["seqs w outside [1/2, 2]"],
-            "seqs geo∉band": tails["seqs outside geometric band"],
+            **{column: _digits(tails[key]) for column, key in COLUMNS.items()},
             "saturated (syncs)": f"{sum(s[source]['saturated'] for s in per_sync)} "
                                  f"({saturating}/{len(per_sync)})",
-            "range used": None if used[0] is None else _median(used),
-            "ms / sync": 1e3 * _median(timed) if timed else 0.0,
-            "7B GFLOP / sync": flops.get(source, 0.0) / 1e9})
+            "range used": None if used[0] is None else _digits(_median(used)),
+            "ms / sync": _digits(1e3 * _median(timed)) if timed else 0.0,
+            "7B GFLOP / sync": _digits(flops.get(source, 0.0) / 1e9)})
     return rows + [_band_row(name, per_sync, rows[0])]
 
 
@@ -251,14 +257,10 @@ def _band_row(name: str, per_sync: list[dict], geoscale: dict) -> dict:
     """Each column's range over geoscale's scales × 2^(k/4), k = 0..3 (the geoscale row
     and ``BAND``): what moving the rounding grid alone does to it."""
     tails = [log_ratio_tails([s[f"band {k}"] for s in per_sync]) for k in BAND]
-    columns = {"mean |Δ log p|": "mean", "p99.9 |Δ log p|": "p99.9", "max |Δ log p|": "max",
-               "seq |ΣΔ| p99": "seq p99", "seq |ΣΔ| max": "seq max",
-               "tokens w>2": "tokens w > 2", "seqs w∉[½,2]": "seqs w outside [1/2, 2]",
-               "seqs geo∉band": "seqs outside geometric band"}
     row = {"model": name, "source": BAND_ROW}
-    for column, key in columns.items():
+    for column, key in COLUMNS.items():
         values = [geoscale[column]] + [t[key] for t in tails]
-        row[column] = f"{min(values):.3g}–{max(values):.3g}"
+        row[column] = f"{min(values):.4g}–{max(values):.4g}"
     return row
 
 
