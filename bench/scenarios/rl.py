@@ -12,7 +12,9 @@ produced), the engine's forward through an FP8 cache with each source's scales g
 log-probabilities that are compared with the trainer's (the engine's forward without a cache,
 what the policy loss differentiates): ``bench.rl_metrics``. One forward through the cache
 reads, at every position, the same dequantized keys and values a token-by-token decode reads
-(tests check it), at one call instead of one per token.
+(tests check it), at one call instead of one per token; the FP8 sources go through one
+forward together, each in its own rows of the batch (``batched_fp8_cache``, tested against
+geoscale's FP8 cache).
 
 Two models, each in its own GRPO run from the same pretrained weights: the zoo LM (keys and
 values of order 1) and the same LM with its keys ×256 and its softmax scale /256
@@ -39,7 +41,8 @@ from bench.scenarios.rl_sources import (
     percentile_scales, unit_scales,
 )
 from bench.runner import Context, ScenarioResult
-from bench.scenarios.kv_cache import FMT, _cache, _shifted, _utilization
+from bench.scenarios.batched_fp8_cache import FMT, batched_fp8_cache, range_used
+from bench.scenarios.kv_cache import _shifted
 from bench.sync_cost import RL_BATCH, calibration_flops, geoscale_flops
 from geoscale_fx.kv_cache.manager import cache_argument
 
@@ -56,6 +59,11 @@ FLOP_SHAPE = "Llama-2-7B"
 #: geoscale's scales are also measured × 2^(k/4) for these k: the rounding-noise band
 BAND = (1, 2, 3)
 BAND_ROW = "geoscale × 2^(k/4), k = 0..3"
+#: table column -> bench.rl_metrics.log_ratio_tails key
+COLUMNS = {"mean |Δ log p|": "mean", "p99.9 |Δ log p|": "p99.9", "max |Δ log p|": "max",
+           "seq |ΣΔ| p99": "seq p99", "seq |ΣΔ| max": "seq max", "tokens w>2": "tokens w > 2",
+           "seqs w∉[½,2]": "seqs w outside [1/2, 2]",
+           "seqs geo∉band": "seqs outside geometric band"}
 
 
 def _tokenizer():
@@ -115,28 +123,32 @@ def seven_sources(engine, policy, trainer_batch: torch.Tensor, static: tuple
 
 
 def _measure(engine, policy, tokens, trainer_batch, static: tuple) -> dict:
-    """One sync: every source's log-ratios, saturations and range on the same tokens."""
+    """One sync: every source's log-ratios, saturations and range on the same tokens, the
+    FP8 sources and the band in one batch (``batched_fp8_cache``)."""
     engine.load_state_dict(policy.state_dict())
     scale_sets, seconds = seven_sources(engine, policy, trainer_batch, static)
     trainer = rollout_logits(engine, tokens, None)
+    fp8 = [(source, scales) for source, scales in zip(SOURCES, scale_sets) if scales is not None]
+    fp8 += [(f"band {k}", _shifted(scale_sets[0], 2 ** (k / 4))) for k in BAND]
+    cache = batched_fp8_cache(engine.config, [scales for _, scales in fp8], len(tokens))
+    logits = rollout_logits(engine, tokens.repeat(len(fp8), 1), cache).split(len(tokens))
+    used = range_used(cache)
     found = {"seconds": seconds}
-    for source, layer_scales in zip(SOURCES, scale_sets):
-        cache, counters = ((DynamicCache(config=engine.config), None) if layer_scales is None
-                           else _cache(engine, layer_scales))
-        delta = token_log_ratios(trainer, rollout_logits(engine, tokens, cache),
-                                 tokens[:, PROMPT_LEN:])
-        found[source] = {
-            "delta": delta, "mean": float(delta.abs().mean()), "max": float(delta.abs().max()),
-            "seq max": float(delta.sum(-1).abs().max()),
-            "saturated": 0 if counters is None else int(sum(int(c.sum()) for c in counters)),
-            "range used": None if layer_scales is None else _utilization(cache, layer_scales),
-            "max k scale": None if layer_scales is None else max(
-                float(s.scales(FMT)[0].max()) for s in layer_scales)}
-    for k in BAND:          # geoscale's scales × 2^(k/4): still certified, the grid moved
-        cache = _cache(engine, _shifted(scale_sets[0], 2 ** (k / 4)))[0]
-        found[f"band {k}"] = token_log_ratios(trainer, rollout_logits(engine, tokens, cache),
-                                              tokens[:, PROMPT_LEN:])
+    for g, ((name, scales), rollout) in enumerate(zip(fp8, logits)):
+        delta = token_log_ratios(trainer, rollout, tokens[:, PROMPT_LEN:])
+        found[name] = delta if name.startswith("band ") else _summarized(
+            delta, int(cache.saturated[g].sum()), float(used[g]),
+            max(float(s.scales(FMT)[0].max()) for s in scales))
+    plain = rollout_logits(engine, tokens, DynamicCache(config=engine.config))
+    found["no FP8"] = _summarized(token_log_ratios(trainer, plain, tokens[:, PROMPT_LEN:]),
+                                  0, None, None)
     return found
+
+
+def _summarized(delta: torch.Tensor, saturated: int, used, max_k_scale) -> dict:
+    return {"delta": delta, "mean": float(delta.abs().mean()),
+            "max": float(delta.abs().max()), "seq max": float(delta.sum(-1).abs().max()),
+            "saturated": saturated, "range used": used, "max k scale": max_k_scale}
 
 
 class _Syncs:
@@ -209,6 +221,11 @@ def _summary(sync: dict) -> dict:
             for k, v in sync.items() if not k.startswith("band ")}
 
 
+def _digits(x: float) -> float:
+    """Four significant digits (a table cell; results.json keeps the per-sync values)."""
+    return float(f"{x:.4g}")
+
+
 def _median(values: list[float]) -> float:
     ranked = sorted(values)
     return ranked[(len(ranked) - 1) // 2]
@@ -227,16 +244,12 @@ def _rows(name: str, run: dict) -> list[dict]:
         timed = [s["seconds"][source] for s in per_sync if source in s["seconds"]]
         rows.append({
             "model": name, "source": source,
-            "mean |Δ log p|": tails["mean"], "p99.9 |Δ log p|": tails["p99.9"],
-            "max |Δ log p|": tails["max"], "seq |ΣΔ| p99": tails["seq p99"],
-            "seq |ΣΔ| max": tails["seq max"], "tokens w>2": tails["tokens w > 2"],
-            "seqs w∉[½,2]": tails["seqs w outside [1/2, 2]"],
-            "seqs geo∉band": tails["seqs outside geometric band"],
+            **{column: _digits(tails[key]) for column, key in COLUMNS.items()},
             "saturated (syncs)": f"{sum(s[source]['saturated'] for s in per_sync)} "
                                  f"({saturating}/{len(per_sync)})",
-            "range used": None if used[0] is None else _median(used),
-            "ms / sync": 1e3 * _median(timed) if timed else 0.0,
-            "7B GFLOP / sync": flops.get(source, 0.0) / 1e9})
+            "range used": None if used[0] is None else _digits(_median(used)),
+            "ms / sync": _digits(1e3 * _median(timed)) if timed else 0.0,
+            "7B GFLOP / sync": _digits(flops.get(source, 0.0) / 1e9)})
     return rows + [_band_row(name, per_sync, rows[0])]
 
 
@@ -244,14 +257,10 @@ def _band_row(name: str, per_sync: list[dict], geoscale: dict) -> dict:
     """Each column's range over geoscale's scales × 2^(k/4), k = 0..3 (the geoscale row
     and ``BAND``): what moving the rounding grid alone does to it."""
     tails = [log_ratio_tails([s[f"band {k}"] for s in per_sync]) for k in BAND]
-    columns = {"mean |Δ log p|": "mean", "p99.9 |Δ log p|": "p99.9", "max |Δ log p|": "max",
-               "seq |ΣΔ| p99": "seq p99", "seq |ΣΔ| max": "seq max",
-               "tokens w>2": "tokens w > 2", "seqs w∉[½,2]": "seqs w outside [1/2, 2]",
-               "seqs geo∉band": "seqs outside geometric band"}
     row = {"model": name, "source": BAND_ROW}
-    for column, key in columns.items():
+    for column, key in COLUMNS.items():
         values = [geoscale[column]] + [t[key] for t in tails]
-        row[column] = f"{min(values):.3g}–{max(values):.3g}"
+        row[column] = f"{min(values):.4g}–{max(values):.4g}"
     return row
 
 
