@@ -124,6 +124,7 @@ def test_doubling_w_k_doubles_k_scale_exactly(key, traces):
     after = geoscale_fx.attention_scales(model, _ids(), strategy="head")
     assert (k_proj.bias is not None) == (key == "qwen2-sdpa")
     doubled = "model.layers.0.self_attn.k_scale"
+    # exact: a power of two scales every float64 step and the round-up to float32 exactly
     assert torch.equal(after[doubled], 2.0 * before[doubled])
     assert all(torch.equal(after[n], before[n]) for n in before if n != doubled)
     assert len(traces) == 1
@@ -166,7 +167,7 @@ def test_a_replaced_parameter_is_followed_without_a_trace(traces):
     model.load_state_dict(state, assign=True)
     after = geoscale_fx.attention_scales(model, _ids())
     name = "model.layers.1.self_attn.v_scale"
-    assert torch.equal(after[name], 4.0 * before[name])
+    assert torch.equal(after[name], 4.0 * before[name])       # exact: a power of two, as above
     assert len(traces) == 1
 
 

@@ -40,7 +40,7 @@ def test_compile_blocks_one_graph_a_state_per_block_named_by_the_model():
     assert [r.name for r in backend.records.values()] == [f"transformer.h.{b}.attn"
                                                           for b in range(3)]
     whole = _whole_model_scales()
-    for key in KEYS:
+    for key in KEYS:          # exact: each block's graph runs the whole model's ops on it
         state = backend.records[key].state
         assert int(state.steps) == 2
         torch.testing.assert_close(state.scale, whole[key].scale, rtol=0, atol=0)

@@ -114,8 +114,9 @@ def test_amax_of_identity_sides_is_the_radius_times_the_gain():
 def test_entry_bounds_are_never_below_their_float64_recomputation():
     """ρ‖g ⊙ w_i‖ + |w_i·β + b_i| per channel, max per head, against the same formula in
     float64 by hand. The fold ``diag(g)·W`` and ``c = Wβ + b`` used to be float32: 115 of 240
-    head bounds (20 such blocks) came out below the float64 value, up to 3.6e-8 relative, and
-    a scale rounded up from them sat under B/448 on 18 of 480 heads."""
+    head bounds of 20 such blocks came out below the float64 value, up to 3.6e-8 relative,
+    and 7 of 240 scales rounded up from them under B/448 (``python -m bench.fold_rounding``
+    on the commit before)."""
     from tests.attention_variants import Block, D, DH
 
     torch.manual_seed(0)
