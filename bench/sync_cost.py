@@ -3,7 +3,7 @@
 A recalibrating RL loop (NeMo-RL: p99.9 × 1.05 per step; or a max-abs observer) runs a
 forward pass over the trainer's batch to observe the keys and values each layer caches;
 geoscale evaluates bounds from the key and value projections' weights alone. Per sync, for a
-Llama-style model (``bench.certified_cost.SHAPES``: layers ``n``, width ``d``, ``n_q``/``n_kv``
+Llama-style model (``SHAPES``: layers ``n``, width ``d``, ``n_q``/``n_kv``
 heads of ``d_h``, SwiGLU width ``m``):
 
 * **calibration forward** over ``B`` sequences of ``L`` tokens (``T = B·L``):
@@ -30,9 +30,14 @@ import argparse
 
 from tabulate import tabulate
 
-from bench.certified_cost import SHAPES
 
 __all__ = ["RL_BATCH", "calibration_flops", "geoscale_flops", "block_weights", "main"]
+
+#: name -> (layers n, width d, query heads n_q, kv heads n_kv, d_h, FFN width, vocabulary)
+SHAPES = {
+    "Llama-2-7B": (32, 4096, 32, 32, 128, 11008, 32000),
+    "Llama-3-8B": (32, 4096, 32, 8, 128, 14336, 128256),
+}
 
 #: the trainer's batch the 7B figures assume: 64 prompts × 8 completions of 1024 tokens
 RL_BATCH = (512, 1024)

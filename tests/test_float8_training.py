@@ -131,9 +131,14 @@ def test_mx_training_weights_are_refused_naming_the_subclass():
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
-    quantize_(model.model.layers, MXFP8TrainingOpConfig(
-        kernel_preference=KernelPreference.EMULATED, out_dtype=torch.float32),
-        filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    try:
+        quantize_(model.model.layers, MXFP8TrainingOpConfig(
+            kernel_preference=KernelPreference.EMULATED, out_dtype=torch.float32),
+            filter_fn=lambda module, fqn: isinstance(module, torch.nn.Linear))
+    except AssertionError as refusal:       # torchao refuses MX training on older torch
+        if "nightly" not in str(refusal):
+            raise
+        pytest.skip(f"torchao refuses MX training under torch {torch.__version__}: {refusal}")
     ids = _ids(length=32)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()        # runs on the CPU

@@ -33,7 +33,6 @@ import torch
 from transformers import DynamicCache
 
 import geoscale_fx
-from bench.certified_cost import SHAPES
 from bench.lms import large_key_lm, projection_drift, projection_snapshot
 from bench.rl_metrics import GEOMETRIC_BAND, TIS_CAP, log_ratio_tails, token_log_ratios
 from bench.scenarios.rl_sources import (
@@ -43,7 +42,7 @@ from bench.scenarios.rl_sources import (
 from bench.runner import Context, ScenarioResult
 from bench.scenarios.batched_fp8_cache import FMT, batched_fp8_cache, range_used
 from bench.scenarios.kv_cache import _shifted
-from bench.sync_cost import RL_BATCH, calibration_flops, geoscale_flops
+from bench.sync_cost import RL_BATCH, SHAPES, calibration_flops, geoscale_flops
 from geoscale_fx.kv_cache.manager import cache_argument
 
 __all__ = ["rl_rollouts", "SOURCES", "KEY_FACTOR", "BAND_ROW", "rollout_logits",
