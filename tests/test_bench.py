@@ -121,7 +121,7 @@ def test_utilization_and_quality(ctx):
     util = calibration.utilization(ctx)
     _rows_have(util, "method", "median %", "P10 %", "P90 %", "overflow steps")
     assert [r["method"] for r in util.rows] == [
-        "delayed/paper", "geometry (default: exact)", "geometry, power iteration",
+        "delayed/paper", "geometry (default: schatten)", "geometry, power iteration",
         "geometry theory-alpha", "geometry auto-alpha"]
     for row in util.rows:
         assert 0 <= row["P10 %"] <= row["median %"] <= row["P90 %"]

@@ -21,9 +21,9 @@ __all__ = ["utilization", "quality"]
 
 def _variants(calib_steps: int) -> dict:
     return {"delayed/paper": dict(METHODS["delayed/paper"]),
-            # α = 1: the certified default (exact route every step), and the paper's warm
-            # power iteration (a lower bound of σ once the weights move: not certified)
-            "geometry (default: exact)": dict(METHODS["geometry/head"], estimator="exact"),
+            # α = 1: the certified default (the Schatten bound every step), and the paper's
+            # warm power iteration (a lower bound of σ once the weights move: not certified)
+            "geometry (default: schatten)": dict(METHODS["geometry/head"]),
             "geometry, power iteration": dict(METHODS["geometry/head"], estimator="power"),
             "geometry theory-alpha": dict(METHODS["geometry/head"], alpha="theory"),
             "geometry auto-alpha": dict(METHODS["geometry/head"], alpha="auto",
