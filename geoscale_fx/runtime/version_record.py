@@ -24,7 +24,9 @@ more (its local shard is looked up).
 A tensor whose version cannot be read (created in inference mode) never holds, nor does one
 whose storage cannot be located (``storage_key`` is None): callers then take their full
 path every call, which is always correct. A write through ``.data`` in place bypasses the
-version counter and is not seen.
+version counter and is not seen. Nor would a fused optimizer step (``AdamW(fused=True)``,
+transformers' default optimizer), which leaves the counters as they were: the first record
+registers ``optimizer_steps.follow_optimizer_steps``, which bumps them after every step.
 
     >>> w = torch.zeros(3)
     >>> record = VersionRecord()
@@ -41,6 +43,8 @@ import weakref
 from typing import Any, Sequence, Union
 
 import torch
+
+from geoscale_fx.runtime.optimizer_steps import follow_optimizer_steps
 
 __all__ = ["VersionRecord", "storage_key", "tensor_version"]
 
@@ -110,6 +114,7 @@ class VersionRecord:
     __slots__ = ("refs", "versions", "storages", "valid", "__weakref__")
 
     def __init__(self):
+        follow_optimizer_steps()
         self.refs: list[weakref.ref] = []
         self.versions: list[int | None] = []
         self.storages: list[StorageKey] = []

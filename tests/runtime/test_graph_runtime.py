@@ -140,11 +140,20 @@ def _new_parameter(attn):              # another tensor object in the module
     attn.c_attn.weight = torch.nn.Parameter(attn.c_attn.weight * 2.0)
 
 
+def _fused_adamw_step(attn):          # one kernel writes it: no version bump of its own
+    weight = attn.c_attn.weight
+    optimizer = torch.optim.AdamW([weight], lr=0.5, fused=True)
+    weight.grad = -torch.ones_like(weight)
+    optimizer.step()
+    weight.grad = None
+
+
 def _new_layernorm_weight(attn_block):  # a weight the bound reads before c_attn
     attn_block.ln_1.weight.mul_(3.0)
 
 
-@pytest.mark.parametrize("change", [_scale_in_place, _swap_storage, _new_parameter, "ln"])
+@pytest.mark.parametrize("change", [_scale_in_place, _swap_storage, _new_parameter,
+                                    _fused_adamw_step, "ln"])
 def test_every_weight_change_between_calls_leaves_the_fast_path(change):
     """After a change of a weight the bound reads, the next call is a full one and its bound
     is the one a new wrapper computes from the changed weights; the call after it is fast
