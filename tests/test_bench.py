@@ -132,13 +132,14 @@ def test_utilization_and_quality(ctx):
     assert quality.rows[0]["method"] == "none"
 
 
-def test_inference_reports_tokens_per_second_ratios_and_decode_overflows(ctx):
+def test_inference_reports_tokens_per_second_ratios_and_decode_overflows(ctx, monkeypatch):
     """Scenario 11 on the tiny nanoGPT (its tuple cache): per batch, plain / geometry /
     current with ratios to plain; geometry's audit pass over the decode calls: no overflow,
     the largest scaled logit within η·R_max. (compiler "eager": the same graphs, compiled
-    in a third of aot_eager's time.)"""
+    in a third of aot_eager's time; both batch sizes of the full profile.)"""
     import dataclasses
 
+    monkeypatch.setattr(decoding, "QUICK_BATCHES", decoding.BATCHES)
     result = decoding.inference(dataclasses.replace(ctx, compiler="eager",
                                                     timing_compiler="eager"))
     _rows_have(result, "model", "batch", "method", "tokens/s", "ratio", "compile s",

@@ -200,10 +200,8 @@ def _train(lm, ctx: Context, steps: int, lr: float) -> dict:
         num_generations=GENERATIONS, max_completion_length=COMPLETION_LEN, max_steps=steps,
         generation_kwargs={"min_new_tokens": COMPLETION_LEN},    # full-length completions
         learning_rate=lr, lr_scheduler_type="constant", report_to=[], use_cpu=True,
-        # not the default adamw_torch_fused: on torch 2.13 (CPU) the fused step writes the
-        # weights without bumping their version counters, and attention_scales would keep
-        # returning the scales of the weights it last saw (see _notes)
-        optim="adamw_torch",
+        # the default optimizer (adamw_torch_fused): its steps leave the weights' version
+        # counters as they were, which geoscale's optimizer-step hook makes up for
         save_strategy="no", logging_steps=steps,
         gradient_checkpointing=False, seed=ctx.seed, disable_tqdm=True)
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=_reward, args=config,
@@ -313,9 +311,7 @@ def _notes(steps: int, lr: float, trl_version: str, drift: str, runs: dict) -> s
         f"statistic; the one-time costs before training: geoscale's trace "
         f"{one['trace s']:.2f} s, the static calibration {one['calibration s']:.3f} s. "
         f"'7B GFLOP / sync': {FLOP_SHAPE}, trainer's batch {RL_BATCH[0]}×{RL_BATCH[1]} "
-        f"tokens (python -m bench.sync_cost for the formulas). The trainer steps with "
-        f"optim='adamw_torch': transformers' default adamw_torch_fused updates the weights "
-        f"without bumping their version counters (torch 2.13, CPU), which attention_scales "
-        f"reads to tell new weights from old, so it would return step 0's scales. No FP8: the engine and the "
+        f"tokens (python -m bench.sync_cost for the formulas). The trainer steps with its "
+        f"default optimizer (adamw_torch_fused). No FP8: the engine and the "
         f"trainer run the same kernels here, so its Δ is float reassociation only (an "
         f"engine's own kernels add their floor to every row).")
