@@ -10,6 +10,7 @@ float64 spectral norms of explicit matrices (torch.linalg) for the bounds.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import socket
@@ -117,7 +118,9 @@ def two_ranks(tmp_path_factory):
         pass
     else:
         _llama(2).save_pretrained(root / "llama")
-        checks += [("_tp_hf_llama", ()), ("_hf_tp_plan_auto", (str(root / "llama"),))]
+        checks += [("_tp_hf_llama_sharded_kv", ()), ("_hf_tp_plan_auto", (str(root / "llama"),))]
+        if not _compile_reads_exporting():   # else it fails in Dynamo, without geoscale too
+            checks += [("_tp_hf_llama_replicated_kv", ())]
     (root / "dcp").mkdir()
     (root / "outcomes").mkdir()
     outcome = _spawn_checks(tuple(checks), root / "outcomes")
@@ -349,7 +352,9 @@ def test_tensor_parallel_per_layer_max_collectives_and_unsupported_placement(two
     two_ranks(_tp_per_layer_placements_collectives)
 
 
-def _tp_hf_llama(rank, world):
+def _tp_hf_llama(rank, world, n_kv):
+    """HF Llama with 4 q heads and ``n_kv`` kv heads, q colwise; k/v colwise where ``n_kv``
+    divides among the ranks, else replicated."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, parallelize_module,
@@ -358,26 +363,58 @@ def _tp_hf_llama(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     x = _tokens(3, length=7)
     mine = [2 * rank, 2 * rank + 1]
-    for n_kv in (2, 1):   # kv heads sharded; then fewer kv heads than ranks: replicated
-        single = _llama(n_kv)
-        tp = copy.deepcopy(single)
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
-        if n_kv % world == 0:
-            plan.update({"self_attn.k_proj": ColwiseParallel(),
-                         "self_attn.v_proj": ColwiseParallel()})
-        for layer in tp.model.layers:
-            parallelize_module(layer, mesh, plan)
-        w1 = geoscale_fx.wrap(single, compiler="aot_eager", estimator="exact")
-        w2 = geoscale_fx.wrap(tp, compiler="aot_eager", estimator="exact")
-        with torch.no_grad():
-            diff = (w1(x).logits - w2(x).logits).abs().max().item()
-        assert diff < 1e-4, diff
-        for layer in range(1):
-            key = f"model_layers_{layer}_self_attn"
-            full = w1.geoscale.records[key].state.scale
-            scale = w2.geoscale.records[f"{key}_tp{rank}"].state.scale
-            torch.testing.assert_close(scale, full[mine], rtol=1e-6, atol=0)
-        assert counters["geoscale"]["left_as_is"] == 0
+    single = _llama(n_kv)
+    tp = copy.deepcopy(single)
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+    if n_kv % world == 0:
+        plan.update({"self_attn.k_proj": ColwiseParallel(),
+                     "self_attn.v_proj": ColwiseParallel()})
+    for layer in tp.model.layers:
+        parallelize_module(layer, mesh, plan)
+    w1 = geoscale_fx.wrap(single, compiler="aot_eager", estimator="exact")
+    w2 = geoscale_fx.wrap(tp, compiler="aot_eager", estimator="exact")
+    with torch.no_grad():
+        diff = (w1(x).logits - w2(x).logits).abs().max().item()
+    assert diff < 1e-4, diff
+    for layer in range(1):
+        key = f"model_layers_{layer}_self_attn"
+        full = w1.geoscale.records[key].state.scale
+        scale = w2.geoscale.records[f"{key}_tp{rank}"].state.scale
+        torch.testing.assert_close(scale, full[mine], rtol=1e-6, atol=0)
+    assert counters["geoscale"]["left_as_is"] == 0
+
+
+def _tp_hf_llama_sharded_kv(rank, world):
+    _tp_hf_llama(rank, world, n_kv=2)      # GQA 4/2: one kv head per rank
+
+
+def _tp_hf_llama_replicated_kv(rank, world):
+    _tp_hf_llama(rank, world, n_kv=1)      # fewer kv heads than ranks: k/v replicated
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_reads_exporting() -> bool:
+    """Whether ``torch.compiler.is_exporting()`` reads True inside plain ``torch.compile``.
+    torch 2.11's Dynamo folds it to the constant True; 2.12.1, 2.13, 2.14.1 and 2.15 read
+    the export flag (pytorch#176499) and answer False."""
+    seen: list[bool] = []
+
+    def probe(x):
+        seen.append(torch.compiler.is_exporting())
+        return x + 1
+
+    torch.compile(probe, backend="eager")(torch.ones(1))
+    return seen[0]
+
+
+#: why the replicated-kv configuration cannot compile where ``_compile_reads_exporting()``
+REPLICATED_KV_UNDER_2_11 = (
+    "torch 2.11's Dynamo reads torch.compiler.is_exporting() as True under torch.compile, so "
+    "transformers 5.24 (masking_utils._ignore_causal_mask_sdpa) builds the causal mask; with a "
+    "mask on CPU, sdpa_attention_forward repeats k/v by the config's num_key_value_groups (4) "
+    "instead of passing enable_gqa, and a rank's 2 local q heads meet 4 kv heads: SDPA's "
+    "shapes do not broadcast. Plain torch.compile of this TP model fails the same way "
+    "(no geoscale involved); torch >= 2.12 reads False and the causal mask is skipped")
 
 
 def _llama(n_kv: int):
@@ -421,11 +458,14 @@ def test_hf_tp_plan_auto(two_ranks):
     two_ranks(_hf_tp_plan_auto)
 
 
-def test_tensor_parallel_hf_llama_gqa_and_replicated_kv(two_ranks):
+@pytest.mark.parametrize("kv", ["sharded_kv", "replicated_kv"])
+def test_tensor_parallel_hf_llama_gqa_and_replicated_kv(two_ranks, kv):
     """HF Llama (RoPE, GQA 4/2) with q/k/v colwise: same per-head scales as one process; with
     one kv head (fewer than ranks) k/v stay replicated and each rank pairs its q heads."""
     pytest.importorskip("transformers")
-    two_ranks(_tp_hf_llama)
+    if kv == "replicated_kv" and _compile_reads_exporting():
+        pytest.skip(REPLICATED_KV_UNDER_2_11)
+    two_ranks(globals()[f"_tp_hf_llama_{kv}"])
 
 
 # --------------------------------------------------------------------------------------
