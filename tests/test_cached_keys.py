@@ -23,7 +23,7 @@ from torch.fx import Graph, GraphModule
 
 import geoscale_fx
 from geoscale_fx.numerics.head_weights import key_head_norms
-from geoscale_fx.analysis.forms.cached_keys import key_sources
+from geoscale_fx.analysis.forms.cached_keys import key_sources, repeated_kv_heads
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds
 from tests.hf_models import build_hf
 from tests.test_decode import _runtimes
@@ -222,3 +222,34 @@ def test_an_edited_or_alternated_cache_is_remeasured_never_under_bounded(kind):
     after = sum(r.remeasured_caches for r in _runtimes(wrapped))
     n_layers = len(a.layers)
     assert after - before == 4 * n_layers    # every decode above but the second, every layer
+
+
+def test_a_masked_gqa_decode_trusts_the_keys_it_returned():
+    """With an ``attention_mask`` transformers passes SDPA a mask and repeats the kv heads
+    itself (``repeat_kv``; torch 2.11's Dynamo folds ``torch.compiler.is_exporting()`` to
+    True, so there transformers always does): the DynamicCache keeps the ``cat``, the
+    attention reads its repeat. The decode is still measured once (the prefill's fresh
+    cache), the running maximum equals the cache's true one, and the record holds the
+    returned keys in its ``stored`` slots."""
+    model = build_hf("llama-sdpa")
+    wrapped = geoscale_fx.wrap(model, compiler=COMPILER)
+    kv = _cache(model, "dynamic")
+    ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    with torch.no_grad():
+        logits = wrapped(input_ids=ids, past_key_values=kv, attention_mask=mask).logits
+        for _ in range(4):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            logits = wrapped(input_ids=logits[:, -1:].argmax(-1), past_key_values=kv,
+                             attention_mask=mask).logits
+            for running, truth in _running_and_truth(wrapped, kv):
+                torch.testing.assert_close(running, truth, rtol=1e-6, atol=1e-6)
+    decode = [r for r in _runtimes(wrapped) if r.key_trust.entries]
+    sdpa = [n for r in decode for n in r.gm.graph.nodes
+            if n.target is torch._C._nn.scaled_dot_product_attention]
+    assert sdpa and all(repeated_kv_heads(n.args[1]) is not None for n in sdpa)  # the form
+    assert sum(r.remeasured_caches for r in _runtimes(wrapped)) <= len(kv.layers)
+    keys = {id(layer.keys) for layer in kv.layers}
+    laid_out = [{id(b.record.refs[s]()) for slots in r.key_trust.layout.stored for s in slots}
+                for r in decode for b in [r._own, *r.bound.values()] if b.record.valid]
+    assert keys in laid_out, (keys, laid_out)

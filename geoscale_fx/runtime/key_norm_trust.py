@@ -6,9 +6,10 @@ maximum of everything written before. That maximum covers a cache tensor only if
 of the tensor went through the graph. After each call of a compiled graph, the runtime keeps
 a ``VersionRecord`` of what the call left: each running maximum, and the cache tensors the
 graph read and wrote (the past placeholders, mutated in place by a StaticCache, and the graph
-outputs that are the key or a slice of it: a DynamicCache's ``cat``), each with its in-place
-version counter. The graph that last wrote a running maximum is its *owner*
-(``_OWNERS``: the record and the slots of that maximum and of its caches in it).
+outputs that are the key or a slice of it, or the tensor whose heads the key repeats (GQA's
+``repeat_kv``): a DynamicCache's ``cat``), each with its in-place version counter. The graph
+that last wrote a running maximum is its *owner* (``_OWNERS``: the record and the slots of
+that maximum and of its caches in it).
 
 Before a call, a past cache tensor is *trusted* when the owner's record holds it, unchanged
 since (same version), and holds the running maximum unchanged too (no other cache, checkpoint
@@ -42,7 +43,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx.numerics.head_weights import key_head_norms
-from geoscale_fx.analysis.forms.cached_keys import whole_vector_slices
+from geoscale_fx.analysis.forms.cached_keys import repeated_kv_heads, whole_vector_slices
 from geoscale_fx.analysis.fx.graph_ops import op_of
 from geoscale_fx.sites.terms import Side
 from geoscale_fx.runtime.key_trust_protocol import RecordLayout
@@ -79,10 +80,31 @@ def _said_nonfinite(heads: int) -> None:
                     "it)", heads)
 
 
-def _stored_from(node: Node, key: str) -> bool:
-    """``node`` is the key node, or a whole-vector slice/copy of it (a cache keeps it)."""
+def _held_whole(key: Node) -> frozenset[str]:
+    """The names of the nodes every entry of which ``key`` holds: the key, and what it is a
+    copy of (``contiguous``, ``clone``, ``detach``) or repeats whole heads of (GQA's
+    ``repeat_kv``, ``analysis.forms.cached_keys.repeated_kv_heads``: key head ``h`` is head
+    ``h // r`` of it). A running maximum that covers the key covers each of them, read with
+    that repeat. Never through a slice (it drops entries) nor a cast (it rounds them)."""
+    names = []
+    node: Any = key
+    while isinstance(node, Node):
+        names.append(node.name)
+        repeated = repeated_kv_heads(node)
+        if repeated is not None:
+            node = repeated[0]
+        elif op_of(node) in ("contiguous", "clone", "detach"):
+            node = node.args[0]
+        else:
+            break
+    return frozenset(names)
+
+
+def _stored_from(node: Node, held: frozenset[str]) -> bool:
+    """``node`` is one of the ``held`` nodes (``_held_whole``), or a whole-vector
+    slice/copy of one (a cache keeps it)."""
     while True:
-        if node.name == key:
+        if node.name in held:
             return True
         op = op_of(node)
         moved = op in ("contiguous", "clone", "detach") or (
@@ -125,8 +147,10 @@ class KeyNormTrust:
                     continue
                 side: Side = estimator.term.k
                 past = tuple((placeholders.index(by_name[n]), r) for n, r in side.observed_past)
+                key = by_name.get(side.source.node)
+                held = _held_whole(key) if key is not None else frozenset()
                 stored = tuple(i for i, o in enumerate(outputs)
-                               if isinstance(o, Node) and _stored_from(o, side.source.node))
+                               if isinstance(o, Node) and _stored_from(o, held))
                 self.entries.append(_Entry(index, name, side.observed_axes, past, stored))
         self.n_outputs = len(outputs)
         self.layout = RecordLayout.of([len(e.past) for e in self.entries],

@@ -20,7 +20,9 @@ A graph without incremental keys has no ``entries``: ``holds`` is True and the r
 
 The record's layout (``RecordLayout``): every entry's running maximum, then every entry's
 past caches (graph inputs), then every entry's stored keys (graph outputs that are the key
-or a whole-vector slice of it: what a DynamicCache keeps), each in entry order.
+or a whole-vector slice of it, or the tensor whose heads the key repeats (GQA's ``repeat_kv``,
+as transformers writes it whenever it passes SDPA a mask): what a DynamicCache keeps), each in
+entry order.
 
     >>> layout = RecordLayout.of(past=(1, 1), stored=(1, 1))      # two DynamicCache layers
     >>> layout.running, layout.past, layout.stored, layout.next_call

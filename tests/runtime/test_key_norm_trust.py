@@ -3,6 +3,7 @@ the re-measurement (``key_head_norms``) when it does not. A hand-built graph
 ``key = cat([past, new], 2)`` and the observed-keys estimator; no compile."""
 from __future__ import annotations
 
+import operator
 import types
 
 import torch
@@ -179,3 +180,80 @@ def test_a_cache_with_keys_that_are_not_finite_is_counted_and_said_once(caplog):
     assert bool(torch.isnan(state.key_norm_max[1])) and bool(torch.isfinite(state.key_norm_max[0]))
     said = [r.getMessage() for r in caplog.records if "not finite" in r.getMessage()]
     assert len(said) == 1 and "1 key head(s)" in said[0]
+
+
+def _gqa_trust(read):
+    """A graph ``stored = cat([past, new], 2)`` (2 kv heads) returning ``stored``, whose
+    attention key is ``read(graph, stored)`` (4 heads after GQA's ``repeat_kv``); example
+    values on every node, as Dynamo leaves them."""
+    g = Graph()
+    past, new = g.placeholder("past"), g.placeholder("new")
+    stored = g.call_function(torch.cat, ([past, new], 2), name="keys")
+    key = read(g, stored)
+    g.output((stored, g.call_function(torch.neg, (key,))))
+    values = {"past": _cache(), "new": _cache(seed=1)}
+    for node in g.nodes:
+        if node.op == "placeholder":
+            node.meta["example_value"] = values[node.name]
+        elif node.op != "output":
+            args = torch.fx.node.map_arg(node.args, lambda n: n.meta["example_value"])
+            fn = node.target if node.op == "call_function" else \
+                (lambda t, *a, _m=node.target: getattr(t, _m)(*a))
+            node.meta["example_value"] = fn(*args)
+    side = Side(Source("rmsnorm", key.name, 2), None, "observed", ((0,), (1,)),
+                observed_axes=AXES, observed_past=(("past", 2),),
+                observed_fresh=(("new", 2),))
+    plan = types.SimpleNamespace(policy=types.SimpleNamespace(
+        estimators=[ExactObservedKeys(Term(_query(), side), "", 1.0)]))
+    state = types.SimpleNamespace(key_norm_max=torch.zeros(4))
+    return KeyNormTrust(GraphModule(torch.nn.Module(), g), [plan]), [state], state
+
+
+def _repeat_kv(g, x, length=10):
+    """transformers' ``repeat_kv`` (n_rep = 2) on a ``(1, 2, length, 4)`` key."""
+    wide = g.call_function(operator.getitem, (x, (slice(None), slice(None), None,
+                                                  slice(None), slice(None))))
+    wide = g.call_method("expand", (wide, 1, 2, 2, length, 4))
+    return g.call_method("reshape", (wide, 1, 4, length, 4))
+
+
+def test_the_stored_keys_are_found_under_a_gqa_head_repeat():
+    """transformers passes SDPA a mask (under torch 2.11's compile, always; on any release
+    with an ``attention_mask``) and then repeats the kv heads itself: the DynamicCache keeps
+    the ``cat``, the attention reads ``repeat_kv(cat)``. Every entry of the ``cat`` is in the
+    key, so the running maximum covers it (read with the repeat): it is stored, and the next
+    call, whose past it is, is trusted without measuring."""
+    trust, states, state = _gqa_trust(_repeat_kv)
+    assert trust.entries[0].outputs == (0,) and trust.layout.next_call == (0, 2)
+    record, runnings = VersionRecord(), trust.runnings(states)
+    past, new = _cache(), _cache(seed=1)
+    assert trust.before([past, new], states) == 1                # a fresh cache: measured
+    stored = torch.cat([past, new], 2)
+    with torch.no_grad():                                        # what the graph does
+        state.key_norm_max.copy_(torch.maximum(
+            state.key_norm_max, key_head_norms(new, AXES).repeat_interleave(2)))
+    out = (stored, torch.zeros(1))
+    record.update(trust.kept([past, new], out, runnings))
+    trust.after([past, new], out, states, record)
+    # independent reference: per kv head over the whole stored cache, repeated per query head
+    truth = torch.linalg.vector_norm(stored, dim=3).amax(dim=(0, 2)).repeat_interleave(2)
+    torch.testing.assert_close(state.key_norm_max, truth)
+    args = [stored, _cache(seed=2)]
+    assert trust.holds(args, runnings, record)                   # fast path for the next call
+    assert trust.before(args, states) == 0
+    stored.mul_(3.0)                                             # edited: measured again
+    assert not trust.holds(args, runnings, record)
+    assert trust.before(args, states) == 1
+    torch.testing.assert_close(state.key_norm_max, 3.0 * truth)
+
+
+def test_a_key_that_reads_a_slice_of_the_returned_cache_does_not_store_it():
+    """A window of the returned cache (``cat[:, :, -4:]``), then repeated: the key misses the
+    older entries, the running maximum may not cover them; nothing stored, no fast path."""
+    def window(g, x):
+        part = g.call_function(operator.getitem, (x, (slice(None), slice(None),
+                                                      slice(-6, None))))
+        return _repeat_kv(g, part, 6)
+
+    trust, _, _ = _gqa_trust(window)
+    assert trust.entries[0].outputs == () and trust.layout.next_call == (0, 1)
