@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -37,18 +40,24 @@ def compile_isolated(fn: Callable, *, recompile_limit: int | None = None, **kwar
     """``torch.compile(fn, **kwargs)`` whose compiled entries count against a limit of its
     own (``recompile_limit``; Dynamo's global one where None).
 
-    torch ≥ 2.13: ``isolate_recompiles=True`` gives the call its own cache region.
+    torch ≥ 2.13: ``isolate_recompiles=True`` gives the call its own cache region: every
+    frame compiled while it runs — ``fn``'s, and those of shared code (a library's
+    decorator wrapper, a model class's ``forward``) reached after a graph break — counts
+    only the entries compiled by this call against the limit.
     torch 2.11, 2.12: Dynamo keeps cache entries per code object, so ``fn`` must have a code
     object of its own (``analysis.dynamo_code.fresh_function``) for its entries to be its
-    own; the limit is Dynamo's global ``recompile_limit``, set to ``recompile_limit`` while
-    the returned function runs (the limit is read when a frame compiles, inside the call).
-    Frames of shared code reached after a graph break count against the process's entries
-    there, as they do under plain ``torch.compile``.
+    own; on shared code, Dynamo's count is scoped to this call's entries as a region's is
+    (``_count_region_entries``); the limit is Dynamo's global ``recompile_limit``, set to
+    ``recompile_limit`` while the returned function runs (the limit is read when a frame
+    compiles, inside the call).
     """
     if has_isolated_recompiles():
         return torch.compile(fn, isolate_recompiles=True, recompile_limit=recompile_limit,
                              **kwargs)
     compiled = torch.compile(fn, **kwargs)
+    region = _compiled_backend(compiled)
+    if region is not None:
+        _count_region_entries(region)
     if recompile_limit is None:
         return compiled
     patch = torch._dynamo.config.patch
@@ -59,6 +68,71 @@ def compile_isolated(fn: Callable, *, recompile_limit: int | None = None, **kwar
             return compiled(*args, **kw)
 
     return limited
+
+
+#: the backends of ``compile_isolated``'s calls by id (torch 2.11, 2.12; torch's
+#: ``_TorchCompileWrapper`` defines ``__eq__``, not ``__hash__``): Dynamo's count of a frame's
+#: entries, compiling for one of them, is that backend's entries alone
+_REGIONS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _compiled_backend(compiled: Callable) -> Any:
+    """The backend Dynamo stores on the cache entries ``compiled`` (``torch.compile``'s
+    function) makes (``CacheEntry.backend``: torch's ``_TorchCompileWrapper``, one per
+    ``torch.compile`` call), read from the call's callback (a module's ``OptimizedModule``
+    holds its context as ``dynamo_ctx``, a function's wrapper in its closure as ``self``);
+    None where not found."""
+    context = getattr(compiled, "__dict__", {}).get("dynamo_ctx")
+    if context is None and isinstance(compiled, types.FunctionType):
+        cells = dict(zip(compiled.__code__.co_freevars, compiled.__closure__ or ()))
+        context = cells["self"].cell_contents if "self" in cells else None
+    return _innermost_backend(getattr(context, "callback", None))
+
+
+def _innermost_backend(callback: Any) -> Any:
+    """The end of the ``_torchdynamo_orig_backend`` chain of a Dynamo callback (the object
+    Dynamo compares with ``CacheEntry.backend``)."""
+    while hasattr(callback, "_torchdynamo_orig_backend"):
+        callback = callback._torchdynamo_orig_backend
+    return callback
+
+
+def _count_region_entries(region: Any) -> None:
+    """torch 2.11, 2.12 (no ``isolate_recompiles``): a frame compiled for ``region`` (a
+    backend of ``compile_isolated``) has its recompile limit and recompilation test count
+    only the frame's cache entries of that backend — what torch ≥ 2.13 counts in a
+    region. Dynamo's ``compute_cache_size``, called by ``ConvertFrameAssert.__call__``,
+    is replaced once by ``_region_cache_size``, which gives Dynamo's own count for every
+    other backend; the total (``accumulated_recompile_limit``) stays over all entries, as
+    in torch ≥ 2.13."""
+    from torch._dynamo import convert_frame
+
+    _REGIONS[id(region)] = region
+    if getattr(convert_frame.compute_cache_size, "_geoscale_regions", False):
+        return
+    original = convert_frame.compute_cache_size
+
+    def _region_cache_size(frame, cache_entry):
+        size = original(frame, cache_entry)
+        caller = sys._getframe(1).f_locals.get("self")
+        backend = _innermost_backend(getattr(caller, "_torchdynamo_orig_backend", None))
+        if backend is None or _REGIONS.get(id(backend)) is not backend:
+            return size
+        own, entry = 0, cache_entry
+        while entry:
+            if entry.backend is backend and _same_id_matched_objs(frame, entry):
+                own += 1
+            entry = entry.next
+        size.num_cache_entries_with_same_id_matched_objs = own
+        return size
+
+    _region_cache_size._geoscale_regions = True
+    convert_frame.compute_cache_size = _region_cache_size
+
+
+def _same_id_matched_objs(frame, entry) -> bool:
+    from torch._dynamo.cache_size import _has_same_id_matched_objs
+    return _has_same_id_matched_objs(frame, entry)
 
 
 def region_entries(compiled: Callable) -> int:

@@ -38,6 +38,40 @@ def test_a_compiled_region_counts_its_own_entries_under_its_own_limit():
     assert compat.region_entries(one) == 0
 
 
+def _shared(x):
+    """A function every region reaches after a graph break (a library's decorator wrapper,
+    shared by every model): its frame is compiled on its own code object."""
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def test_shared_code_after_a_graph_break_counts_only_the_regions_own_entries():
+    """A region reaching shared code after a graph break compiles it under its own limit,
+    whatever entries earlier regions left there (torch 2.11, 2.12 counted them all: the
+    shared frame then ran eagerly, and its graphs never reached the backend)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def f(x):
+        return _shared(x * 2)
+
+    first: list = []
+    one = compat.compile_isolated(fresh_function(f), backend=_counting(first), dynamic=False,
+                                  recompile_limit=3)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for n in (1, 2, 3):                           # three entries on _shared's code
+            one(torch.ones(n))
+    assert len(_debug_get_cache_entry_list(_shared.__code__)) >= 3
+    second: list = []
+    two = compat.compile_isolated(fresh_function(f), backend=_counting(second), dynamic=False,
+                                  recompile_limit=3)
+    assert torch.allclose(two(torch.ones(4)), torch.ones(4).mul(2).sin().add(1))
+    # f's graph, _shared's two graphs (before and after its break): none ran eagerly
+    assert len(second) == 3, [gm.code for gm in second]
+    release_codes([one._torchdynamo_orig_callable.__code__,
+                   two._torchdynamo_orig_callable.__code__])
+
+
 def test_a_source_resolves_to_the_frame_value_it_names():
     """While Dynamo compiles, a graph input's source evaluates to the live tensor it reads."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
