@@ -21,7 +21,8 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch._dynamo import eval_frame
+from torch._dynamo import cache_size as dynamo_cache_size
+from torch._dynamo import convert_frame, eval_frame
 
 __all__ = ["compile_isolated", "region_entries", "has_isolated_recompiles",
            "resolve_source_value", "traced_dtensor_method"]
@@ -105,8 +106,6 @@ def _count_region_entries(region: Any) -> None:
     is replaced once by ``_region_cache_size``, which gives Dynamo's own count for every
     other backend; the total (``accumulated_recompile_limit``) stays over all entries, as
     in torch ≥ 2.13."""
-    from torch._dynamo import convert_frame
-
     _REGIONS[id(region)] = region
     if getattr(convert_frame.compute_cache_size, "_geoscale_regions", False):
         return
@@ -120,7 +119,8 @@ def _count_region_entries(region: Any) -> None:
             return size
         own, entry = 0, cache_entry
         while entry:
-            if entry.backend is backend and _same_id_matched_objs(frame, entry):
+            if entry.backend is backend and \
+                    dynamo_cache_size._has_same_id_matched_objs(frame, entry):
                 own += 1
             entry = entry.next
         size.num_cache_entries_with_same_id_matched_objs = own
@@ -128,11 +128,6 @@ def _count_region_entries(region: Any) -> None:
 
     _region_cache_size._geoscale_regions = True
     convert_frame.compute_cache_size = _region_cache_size
-
-
-def _same_id_matched_objs(frame, entry) -> bool:
-    from torch._dynamo.cache_size import _has_same_id_matched_objs
-    return _has_same_id_matched_objs(frame, entry)
 
 
 def region_entries(compiled: Callable) -> int:
