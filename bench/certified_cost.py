@@ -93,17 +93,6 @@ class DecoderLayer(nn.Module):
 # Table 1: the zoo's training step
 # --------------------------------------------------------------------------------------
 
-def _zoo_step(lm, model, compiled, batch):
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        lm.loss(compiled, batch).backward()
-        opt.step()
-    return step
-
-
 def zoo_step_table(rounds: int, repeats: int, clock: str = "wall", seed: int = 0
                    ) -> list[dict]:
     """Plain ``torch.compile`` and geoscale with each estimator, one training step each."""
@@ -117,7 +106,7 @@ def zoo_step_table(rounds: int, repeats: int, clock: str = "wall", seed: int = 0
         model = lm.build()
         compiled = (torch.compile(model) if estimator is None else
                     geoscale_fx.wrap(model, compiler="inductor", estimator=estimator))
-        steps[name], models[name] = _zoo_step(lm, model, compiled, batch), compiled
+        steps[name], models[name] = lm.train_step(model, compiled, batch, lr=1e-4), compiled
         start = time.perf_counter()
         steps[name]()
         compile_s[name] = time.perf_counter() - start

@@ -36,6 +36,19 @@ class BenchLM:
         out = model(**batch)
         return out.loss if hasattr(out, "loss") else out[1]
 
+    def train_step(self, model: nn.Module, compiled: nn.Module, batch: dict,
+                   lr: float) -> Callable[[], None]:
+        """One AdamW step of ``model`` (in training mode) through ``compiled`` on ``batch``,
+        as a function: what the timed training steps call."""
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            self.loss(compiled, batch).backward()
+            opt.step()
+        return step
+
 
 @functools.lru_cache(maxsize=2)
 def _corpus(budget: int = 4_000_000):

@@ -58,17 +58,6 @@ def _ratio_columns(prefix: str, timings, name: str) -> dict:
                                                         higher_is_better=False)}
 
 
-def _train_step(lm, compiled, model, batch):
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        lm.loss(compiled, batch).backward()
-        opt.step()
-    return step
-
-
 def overhead(ctx: Context) -> ScenarioResult:
     """5. Forward and training-step time: plain Inductor vs geometry vs delayed vs current."""
     result = ScenarioResult("overhead", "5. Overhead: forward and training step against plain "
@@ -113,7 +102,8 @@ def overhead(ctx: Context) -> ScenarioResult:
     for method in train_methods:
         name = method or PLAIN
         model = lm.build()
-        step = _train_step(lm, _compiled(model, method, ctx.timing_compiler), model, batch)
+        step = lm.train_step(model, _compiled(model, method, ctx.timing_compiler), batch,
+                             lr=1e-5)
         rows[name]["train compile s"] = _first_call_seconds(step)
         steps[name] = step
         bar.update(1)
