@@ -139,6 +139,7 @@ def test_geometry_on_every_variant_has_no_overflow(name):
 # Training
 # --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_training_loss_and_gradients_match_eager_through_the_quantizer():
     zoo = models_zoo.get("nanogpt")
     ref_model = zoo.model.train()
@@ -410,6 +411,7 @@ def test_loading_plain_weights_marks_sites_cold_and_reinitialises():
 
 @pytest.mark.parametrize("scaling, recipe, expect_overflow", [
     ("geometry", "paper", 0), ("delayed", "paper", 6), ("delayed", "te", 0)])
+@pytest.mark.slow
 def test_first_forward_after_loading_pretrained_minilm(minilm, scaling, recipe,
                                                        expect_overflow):
     model = copy.deepcopy(minilm)

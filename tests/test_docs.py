@@ -58,8 +58,9 @@ def python_blocks(page: Path) -> list[Block]:
     return [b for b in blocks(page) if b.language == "python"]
 
 
-#: pages whose examples decode or export end to end: in the slow tier, as such test modules are
-SLOW_PAGES = {"inference.md", "serving.md"}
+#: pages whose examples decode, export or convert Hugging Face models end to end: in the slow
+#: tier, as such test modules are (the README's and kernels.md's short examples stay fast)
+SLOW_PAGES = {"inference.md", "serving.md", "huggingface.md", "usage.md"}
 RUNNABLE = [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name in SLOW_PAGES else [])
             for p in PAGES if any(b.no_run is None for b in python_blocks(p))]
 

@@ -273,6 +273,7 @@ def test_descales_follow_a_weight_update():
     assert wrapped.geoscale.compiles == 1
 
 
+@pytest.mark.slow
 def test_training_runs_through_the_emulation():
     """Training: the emulation's straight-through backward; gradients near unquantized ones."""
     model = _nanogpt().train()

@@ -100,6 +100,7 @@ def _loaded(path: Path, **kwargs):
     return hf_configs.causal_lm_class(config).from_pretrained(path, **kwargs).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
 def test_both_routes_bound_what_the_model_caches(case, tmp_path):
     layout = LAYOUTS[case]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -38,6 +39,7 @@ def _compile_fresh():
     return fresh.__code__, guards, envs
 
 
+@pytest.mark.slow
 def test_released_codes_leave_no_guard_tree_and_no_shape_environment():
     code, guards, envs = _compile_fresh()
     assert guards and envs

@@ -91,6 +91,7 @@ def test_every_site_is_found_supported_certified_and_its_terms_make_up_the_opera
         checks.check_term_norms(graph.gm, values, site, batch=2)
 
 
+@pytest.mark.slow
 @pytest.mark.zoo
 @pytest.mark.parametrize("family,impl", CASES)
 def test_bound_holds_under_adversarial_inputs(family, impl, capsys):
@@ -104,6 +105,7 @@ def test_bound_holds_under_adversarial_inputs(family, impl, capsys):
               f"{[round(v, 3) for v in worst.tolist()]}")
 
 
+@pytest.mark.slow
 @pytest.mark.zoo
 @pytest.mark.parametrize("family,impl", CASES)
 def test_scaling_none_equals_eager_and_geometry_runs(family, impl):

@@ -1,6 +1,7 @@
 """``report()``: which sites belong to a model, what is certified, what was left as is."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -113,6 +114,7 @@ def _certified_per_step(estimator: str | None, events=("step", "step", "step"),
     return certified
 
 
+@pytest.mark.slow
 def test_a_training_run_with_the_default_options_is_certified_at_every_step():
     """The default estimator (``"schatten"``) proves its bound at every step — through a ×3
     jump of every weight and a plain ``load_state_dict`` — and that bound covers the exact

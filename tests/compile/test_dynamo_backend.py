@@ -19,6 +19,7 @@ def _fresh_counters():
     counters.clear()
 
 
+@pytest.mark.slow
 def test_explicit_sites_take_any_batch_size_without_recompiling():
     """An explicit (in-place) site used to bake the batch size into its program: a recompile
     per batch size, then Dynamo's recompile limit and an eager run without FP8 at batch 9."""

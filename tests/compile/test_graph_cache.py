@@ -204,6 +204,7 @@ def _forward(**options):
         return geoscale_fx.wrap(_model(), compiler="inductor", **options)(ids)[0]
 
 
+@pytest.mark.slow
 def test_a_second_compile_reads_the_trace_and_computes_the_same(cheap_inductor):
     counters.clear()
     first = _forward()

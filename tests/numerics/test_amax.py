@@ -50,6 +50,7 @@ def _per_head_amax(t, n_heads):
     return a.reshape(n_heads, -1).amax(dim=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,impl", FAMILIES)
 def test_amax_bounds_hold_against_optimized_inputs(family, impl, capsys):
     model = _model(family, impl)

@@ -54,6 +54,7 @@ def test_an_inference_graph_is_compiled_once_however_often_it_runs(impl):
     assert set(runtime.variants) == {"reuse"}
 
 
+@pytest.mark.slow
 def test_the_host_refresh_gives_the_bound_a_training_step_computes_in_its_graph():
     """After an in-place weight change, the next inference call refreshes the bound on the
     host; it equals the bound the training graph (``predict``: computed in the graph)
@@ -194,6 +195,7 @@ def test_a_cold_state_leaves_the_fast_path():
     assert _counts(wrapped) == (2, 2, 2)
 
 
+@pytest.mark.slow
 def test_auto_alpha_burn_in_never_takes_the_fast_path():
     """Every burn-in call runs the burn-in graph (it counts the step); the main graph after
     it starts with a full call; a burn-in that starts again (a host mirror reset, as after

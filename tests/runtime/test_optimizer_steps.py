@@ -53,6 +53,7 @@ def _ids(seed: int = 0) -> torch.Tensor:
     return torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.zoo
 def test_attention_scales_follow_fused_adamw_steps():
     """transformers' default optimizer (``adamw_torch_fused``) between two calls: the scales

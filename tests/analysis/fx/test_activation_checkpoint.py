@@ -4,6 +4,7 @@ backward — checked against eager execution (values and gradients) and against 
 ``torch.compile`` of the same checkpointed model (bytes saved for the backward)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,6 +97,7 @@ def _saved_bytes(model, x) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_checkpointed_sites_are_scaled_and_still_recomputed():
     """geoscale rewrites the attention inside the regions (FP8 in training) and saves no
     more for the backward than plain ``torch.compile`` of the checkpointed model."""
