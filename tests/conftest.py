@@ -37,6 +37,21 @@ def _seed_and_fresh_dynamo():
 
 
 @pytest.fixture
+def earlier_objects_set_aside():
+    """What the worker's earlier tests left is set aside (``gc.freeze``) while a test counts
+    what its own objects leave behind: full collections then walk this test's objects alone
+    (late in a run they walk the whole heap, ~1 s each, and such tests make dozens). Objects
+    made before the test are neither collected nor listed by ``gc.get_objects`` meanwhile:
+    counts compare before and after within a test, weak references point at the test's own
+    objects, and a cycle through a set-aside object could only keep more alive (a failure),
+    never free what is held."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture
 def one_rank_mesh(tmp_path):
     """A one-rank gloo device mesh on CPU, for DTensors in a single process (skipped where
     torch.distributed or gloo is missing, or a process group is already up)."""

@@ -15,6 +15,8 @@ import geoscale_fx
 from geoscale_fx.compile.attach import geoscale_call
 
 transformers = pytest.importorskip("transformers")
+#: full collections walk only what each test makes (``tests/conftest.py``)
+pytestmark = pytest.mark.usefixtures("earlier_objects_set_aside")
 
 
 def _llama():

@@ -13,6 +13,9 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from geoscale_fx.analysis.dynamo_code import fresh_function, note_compile, release_codes
 
+#: full collections walk only what each test makes (``tests/conftest.py``)
+pytestmark = pytest.mark.usefixtures("earlier_objects_set_aside")
+
 
 def _scaled(x):
     return x * 2
