@@ -487,6 +487,7 @@ def _decode_step(model, ids, cache):
     return wrapped
 
 
+@pytest.mark.slow
 @pytest.mark.zoo
 def test_an_fp8_cache_filled_by_other_weights_is_covered_by_its_own_scale():
     """A decode step on an FP8 cache that another model filled (its k/v projections ×30):

@@ -138,6 +138,7 @@ def test_both_routes_bound_what_the_model_caches(case, tmp_path):
     assert ratios and max(ratios) <= 1 and min(ratios) > 0.01
 
 
+@pytest.mark.slow
 def test_layers_reusing_anothers_cache_get_its_kv_scales(tmp_path):
     """Gemma 3n's last layers reuse the keys and values of the last layer of their type
     (``DummyLayer`` cache layers): no cache layer of their own, but their attentions read
