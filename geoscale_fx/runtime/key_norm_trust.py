@@ -43,7 +43,8 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from geoscale_fx.numerics.head_weights import key_head_norms
-from geoscale_fx.analysis.forms.cached_keys import repeated_kv_heads, whole_vector_slices
+from geoscale_fx.analysis.forms.cached_keys import (WHOLE_COPIES, repeated_kv_heads,
+                                                     whole_vector_slices)
 from geoscale_fx.analysis.fx.graph_ops import op_of
 from geoscale_fx.sites.terms import Side
 from geoscale_fx.runtime.key_trust_protocol import RecordLayout
@@ -93,7 +94,7 @@ def _held_whole(key: Node) -> frozenset[str]:
         repeated = repeated_kv_heads(node)
         if repeated is not None:
             node = repeated[0]
-        elif op_of(node) in ("contiguous", "clone", "detach"):
+        elif op_of(node) in WHOLE_COPIES:
             node = node.args[0]
         else:
             break
@@ -107,7 +108,7 @@ def _stored_from(node: Node, held: frozenset[str]) -> bool:
         if node.name in held:
             return True
         op = op_of(node)
-        moved = op in ("contiguous", "clone", "detach") or (
+        moved = op in WHOLE_COPIES or (
             op == "getitem" and whole_vector_slices(node.args[1]))   # heads stay in place
         if moved and isinstance(node.args[0], Node):
             node = node.args[0]

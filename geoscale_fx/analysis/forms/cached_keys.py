@@ -33,10 +33,11 @@ from torch.fx import Node
 
 from geoscale_fx.analysis.fx.graph_ops import ValueKinds, arg, example_value, op_of
 
-__all__ = ["KeySources", "key_sources", "whole_vector_slices", "repeated_kv_heads"]
+__all__ = ["KeySources", "key_sources", "whole_vector_slices", "repeated_kv_heads",
+           "WHOLE_COPIES"]
 
 #: data-movement ops that keep every key vector whole (checked further per op)
-_PASS_THROUGH = frozenset({"contiguous", "clone", "detach"})
+WHOLE_COPIES = frozenset({"contiguous", "clone", "detach"})
 #: axes a move may act on: batch and positions (never heads: per-head maxima; never channels)
 _MOVABLE = (0, 2)
 #: views whose in-place writes also write the tensor they view
@@ -121,7 +122,7 @@ class _Walk:
                 raise _Refused
             for t in tensors:
                 self.visit(t, repeat)
-        elif op in _PASS_THROUGH or (op == "cast" and value.dtype == self.dtype
+        elif op in WHOLE_COPIES or (op == "cast" and value.dtype == self.dtype
                                      and example_value(node.args[0]).dtype == self.dtype):
             self.visit(node.args[0], repeat)
         elif op == "getitem" and whole_vector_slices(node.args[1]):
