@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from geoscale_fx.core import compat
 from geoscale_fx.options.config import GeoscaleOptions
+from geoscale_fx.compile.decode_lengths import DecodeLengths
 from geoscale_fx.compile.dynamo_backend import GeoscaleBackend
 from geoscale_fx.analysis.dynamo_code import fresh_function, release_codes
 from geoscale_fx.sites.state import STATE_ATTR, GeoscaleState
@@ -158,6 +159,7 @@ class GeoscaleCall:
         self._hooks_warned = False
         self.depth = 0            # > 0 while the compiled call runs (``route_forward``)
         self.probe = OutsideCallProbe(self)
+        self.decode_lengths = DecodeLengths()   # a decode step compiles its lengths symbolic
         if model is not None:     # the model deleted: its compiled entries go with it
             self._finalizer = weakref.finalize(model, release_codes, self.region.codes)
         self.calls = 0            # calls of the model through this call
@@ -180,6 +182,7 @@ class GeoscaleCall:
         calls, compiles = backend.graph_calls, backend.compiles
         self.calls += 1
         start = time.perf_counter()
+        self.decode_lengths.mark(kwargs)
         self.depth += 1
         try:
             out = self.region.compiled(*args, **kwargs)
