@@ -113,3 +113,28 @@ def test_hf_auto_compile_is_switched_off_and_back_and_geoscale_call_finds_the_ca
     call = GeoscaleCall(lambda limit: lambda x: x, _backend(), "Linear")
     model._compiled_call_impl = call
     assert geoscale_call(model) is call
+
+
+def test_hooks_added_between_compiles_are_named_once(caplog):
+    """A hook registered again before each compile (transformers' ``enable_input_require_grads``
+    at every gradient-checkpointing enable): said once, naming the module and the hooks'
+    count, however many times it grows."""
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    backend = _backend(records={"attn": types.SimpleNamespace(name="1")}, compiles=0)
+
+    def compiled(x):            # every call compiles a graph and runs it
+        backend.compiles += 1
+        backend.graph_calls += 1
+        return x
+
+    def make_inputs_require_grads(module, args, output):
+        return output
+
+    call = GeoscaleCall(lambda limit: compiled, backend, "Toy", model)
+    call.region.renew_if_full = lambda name: False      # a stub call: no Dynamo region
+    with caplog.at_level(logging.WARNING, logger="geoscale_fx"):
+        for _ in range(4):
+            model[0].register_forward_hook(make_inputs_require_grads)
+            call(0)
+    said = [r.getMessage() for r in caplog.records if "hooks were added" in r.getMessage()]
+    assert len(said) == 1 and "0 (1 → 2: " in said[0] and "make_inputs_require_grads" in said[0]
