@@ -49,6 +49,7 @@ def test_static_storage_is_left_static():
     assert _marked(mask) == {1}                      # the mask still grows by a token a step
 
 
+@pytest.mark.slow                 # decoding end to end (the unit tests above stay fast)
 def test_generate_compiles_the_prefill_and_one_decode_graph():
     """Three decode steps after the prefill: two compiles (Dynamo alone compiles a static
     first decode step, then the symbolic one); eager's tokens; a new prompt length compiles
