@@ -35,10 +35,9 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["DecodeLengths", "CACHE_KWARGS"]
+from geoscale_fx.kv_cache.manager import CACHE_ARGUMENTS
 
-#: the keyword arguments a Hugging Face model takes its cache as (``cache`` from 5.24 on)
-CACHE_KWARGS = ("cache", "past_key_values")
+__all__ = ["DecodeLengths"]
 
 
 def _growing_layers(cache: Any) -> Iterator[Any]:
@@ -68,7 +67,7 @@ class DecodeLengths:
     def mark(self, kwargs: dict) -> bool:
         """Mark ``kwargs``' growing dims if its cache holds tokens and was not marked yet."""
         cache = None
-        for name in CACHE_KWARGS:
+        for name in CACHE_ARGUMENTS:      # the names a model takes its cache under
             cache = kwargs.get(name)
             if cache is not None:
                 break

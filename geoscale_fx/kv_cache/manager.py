@@ -30,13 +30,13 @@ from geoscale_fx.kv_cache.layers import fp8_cache
 from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
-__all__ = ["KVCacheManager", "cache_argument"]
+__all__ = ["KVCacheManager", "cache_argument", "CACHE_ARGUMENTS"]
 
 log = logging.getLogger("geoscale_fx")
 
 #: the names ``generate`` has taken a cache under: ``cache`` from transformers 5.24
 #: (``past_key_values`` deprecated there, to be removed in 6.0), ``past_key_values`` before
-_CACHE_ARGUMENTS = ("cache", "past_key_values")
+CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 def cache_argument() -> str:
@@ -89,7 +89,7 @@ class KVCacheManager:
         """``kwargs`` of a ``generate`` call with an FP8 cache under generate's cache argument
         (``cache_argument``), unless the caller passed a cache of their own under either name,
         which is used as is, with a warning."""
-        own = next((k for k in _CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+        own = next((k for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
         if own is not None:
             log.warning("geoscale: kv_cache=%r: generate got its own %s; it is used as is "
                         "(not FP8)", self.kv_cache, own)
