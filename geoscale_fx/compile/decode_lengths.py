@@ -43,9 +43,9 @@ __all__ = ["DecodeLengths"]
 def _growing_layers(cache: Any) -> Iterator[Any]:
     """The layers of ``cache`` whose keys and values grow along dim -2 at each step."""
     cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None:
+    growing = getattr(cache_utils, "DynamicLayer", None)
+    if growing is None:         # no transformers, or one whose caches keep no layer objects
         return
-    growing = cache_utils.DynamicLayer
     own = getattr(cache, "self_attention_cache", cache)    # an encoder-decoder cache
     for layer in getattr(own, "layers", ()):
         if isinstance(layer, growing):
