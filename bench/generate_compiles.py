@@ -1,8 +1,8 @@
 """``python -m bench.generate_compiles``: how many graphs, and how many seconds, ``generate`` compiles.
 
-A tiny Llama (2 layers, d = 64, random weights) in one process, per program and compiler:
+``memory_rounds``' tiny Llama (2 layers, d = 64, random weights) in one process, per program and compiler:
 a first ``generate`` (an 8-token prompt, ``--new`` tokens), then a second with an 11-token
-prompt; for each, the graphs Dynamo compiled (``convert_frame`` compiles: the KV-cache
+prompt; for each, the graphs Dynamo compiled (its ``unique_graphs`` count: the KV-cache
 scales' capture of an FP8 cache counts one) and the call's wall time, nearly all of it
 compiling. Programs: ``plain`` (``model.compile(backend=compiler)``, Dynamo as users get it),
 ``apply_`` and ``apply_ fp8`` (``geoscale_fx.apply_(model, compiler=..., kv_cache="fp8")``).
@@ -19,6 +19,9 @@ import time
 
 import torch
 from tabulate import tabulate
+from torch._dynamo.utils import counters
+
+from bench.memory_rounds import tiny_llama
 
 __all__ = ["PROGRAMS", "measure", "main"]
 
@@ -26,14 +29,8 @@ PROGRAMS = ("plain", "apply_", "apply_ fp8")
 
 
 def _llama(seed: int = 0):
-    import transformers
-
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128,
-                                      vocab_size=128, bos_token_id=0, eos_token_id=0,
-                                      pad_token_id=0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_llama()
 
 
 def _convert(model, program: str, compiler: str):
@@ -46,26 +43,6 @@ def _convert(model, program: str, compiler: str):
     else:
         geoscale_fx.apply_(model, compiler=compiler, kv_cache="fp8")
     return model
-
-
-class _CompileCounter:
-    """Counts Dynamo's frame compiles (``convert_frame._compile``) while active."""
-
-    def __init__(self):
-        from torch._dynamo import convert_frame
-
-        self._module, self.count = convert_frame, 0
-        self._original = convert_frame._compile
-
-    def __enter__(self):
-        def counted(*args, **kwargs):
-            self.count += 1
-            return self._original(*args, **kwargs)
-        self._module._compile = counted
-        return self
-
-    def __exit__(self, *exc):
-        self._module._compile = self._original
 
 
 def _generate(model, length: int, new: int) -> torch.Tensor:
@@ -81,11 +58,11 @@ def measure(program: str, compiler: str, new: int) -> tuple[dict, list[torch.Ten
     model = _convert(_llama(), program, compiler)
     row, tokens = {"program": program, "compiler": compiler}, []
     for which, length in (("first", 8), ("second", 11)):
-        with _CompileCounter() as counter:
-            start = time.perf_counter()
-            tokens.append(_generate(model, length, new))
-            row[f"{which} s"] = time.perf_counter() - start
-        row[f"{which} compiles"] = counter.count
+        graphs = counters["stats"]["unique_graphs"]        # Dynamo's count of its graphs
+        start = time.perf_counter()
+        tokens.append(_generate(model, length, new))
+        row[f"{which} s"] = time.perf_counter() - start
+        row[f"{which} compiles"] = counters["stats"]["unique_graphs"] - graphs
     return row, tokens
 
 

@@ -24,12 +24,12 @@ from tabulate import tabulate
 
 from bench.memory import _configure, _status
 
-__all__ = ["PROGRAMS", "rounds", "main"]
+__all__ = ["PROGRAMS", "rounds", "main", "tiny_llama"]
 
 GOAL_MB_PER_ROUND = 2.0
 
 
-def _llama():
+def tiny_llama():
     import transformers
 
     config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -92,7 +92,7 @@ def rounds(program: str, count: int, compiler: str = "inductor") -> tuple[list[f
     torch._dynamo.reset()
     alive, rss = [], []
     if program == "apply_/restore_ cycles":
-        model = _llama()
+        model = tiny_llama()
         for _ in range(count):
             geoscale_fx.apply_(model, compiler=compiler)
             _call(model)
@@ -101,7 +101,7 @@ def rounds(program: str, count: int, compiler: str = "inductor") -> tuple[list[f
         return rss, 0
     convert, run = _converters(compiler)[program]
     for _ in range(count):
-        model = _llama()
+        model = tiny_llama()
         alive.append(weakref.ref(model.model.layers[0].self_attn.q_proj.weight))
         converted = convert(model)
         run(converted)
