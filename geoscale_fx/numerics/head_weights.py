@@ -147,12 +147,20 @@ def observed_heads(side: Side, resolve: Resolve) -> tuple[torch.Tensor, None]:
 
 def key_head_norms(keys: torch.Tensor, axes: tuple[int, int]) -> torch.Tensor:
     """``(H,)`` float32: ``max ‖k‖`` per head of ``keys`` over every other axis (``axes``:
-    the head axis and the channel axis)."""
+    the head axis and the channel axis).
+
+    One ``amax`` over the other axes, not ``movedim(head, -1).reshape(-1, H).amax(0)``
+    (the same values: a maximum is exact in any order): under torch 2.11, ``reshape`` of a
+    fake tensor with a symbolic stride that can be viewed (here the moved norms, strides
+    ``(.., 1, S)``) keeps one C++ reference to that stride's ``SymNode`` after the tensor
+    is freed, so the ``ShapeEnv`` of every compile that traced it (the region codes'
+    prefill and decode) stayed alive (``tests/test_memory.py``)."""
     head_axis, channel_axis = axes
     norms = torch.linalg.vector_norm(keys.detach().float(), dim=channel_axis)
     head_axis = head_axis % keys.dim()
     head_axis = head_axis - 1 if head_axis > channel_axis % keys.dim() else head_axis
-    return norms.movedim(head_axis, -1).reshape(-1, norms.shape[head_axis]).amax(dim=0)
+    others = [d for d in range(norms.dim()) if d != head_axis]
+    return norms.amax(dim=others) if others else norms
 
 
 def side_heads(side: Side, resolve: Resolve, dtype: Optional[torch.dtype] = None
