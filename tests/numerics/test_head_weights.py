@@ -2,10 +2,15 @@
 sites (no tracing)."""
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from geoscale_fx.numerics import head_weights
 from geoscale_fx.sites.model import AttentionSite
@@ -92,3 +97,29 @@ def test_key_head_norms_is_the_max_norm_per_head():
                 for h in range(3)]
     assert norms.dtype == torch.float32
     torch.testing.assert_close(norms, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_key_head_norms_of_a_symbolic_length_leaves_no_shape_environment_behind():
+    """Traced with a symbolic cache length (as a decode step's compile traces it), the norms
+    keep nothing of the trace's ``ShapeEnv`` once the trace is gone: torch 2.11's ``reshape``
+    of a viewable tensor with a symbolic stride kept a reference to it from C++, so every
+    such compile of a model stayed alive after the model (``tests/test_memory.py``)."""
+    def trace() -> weakref.ref:
+        env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=env)
+        length = StatelessSymbolicContext(dynamic_sizes=[
+            DimDynamic.STATIC, DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.STATIC])
+        keys = mode.from_tensor(torch.randn(1, 2, 8, 16), symbolic_context=length,
+                                source=ConstantSource("keys"))       # (B, H, L, d_h)
+        with mode:
+            norms = head_weights.key_head_norms(keys, (1, 3))
+        assert tuple(norms.shape) == (2,)
+        return weakref.ref(env)
+
+    env = trace()
+    for method in vars(ShapeEnv).values():   # its memoized methods hold every ShapeEnv
+        for cached in (method, getattr(method, "__wrapped__", None)):
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+    gc.collect()
+    assert env() is None
