@@ -21,6 +21,7 @@ import torch
 from tabulate import tabulate
 from torch._dynamo.utils import counters
 
+import geoscale_fx
 from bench.memory_rounds import tiny_llama
 
 __all__ = ["PROGRAMS", "measure", "main"]
@@ -34,8 +35,6 @@ def _llama(seed: int = 0):
 
 
 def _convert(model, program: str, compiler: str):
-    import geoscale_fx
-
     if program == "plain":
         model.compile(backend=compiler)
     elif program == "apply_":

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
-from geoscale_fx.kv_cache.manager import CACHE_ARGUMENTS
+from geoscale_fx.kv_cache.manager import passed_cache
 
 __all__ = ["DecodeLengths"]
 
@@ -66,11 +66,7 @@ class DecodeLengths:
 
     def mark(self, kwargs: dict) -> bool:
         """Mark ``kwargs``' growing dims if its cache holds tokens and was not marked yet."""
-        cache = None
-        for name in CACHE_ARGUMENTS:      # the names a model takes its cache under
-            cache = kwargs.get(name)
-            if cache is not None:
-                break
+        _, cache = passed_cache(kwargs)
         if cache is None or not hasattr(cache, "get_seq_length"):
             return False
         if self._last is not None and self._last() is cache:

@@ -20,7 +20,7 @@ are clamped if they exceed the old scale, and counted: ``kv_saturated`` in ``rep
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -30,13 +30,22 @@ from geoscale_fx.kv_cache.layers import fp8_cache
 from geoscale_fx.kv_cache.layer_scales import LayerScales
 from geoscale_fx.kv_cache.weight_scales import WeightKVScales
 
-__all__ = ["KVCacheManager", "cache_argument", "CACHE_ARGUMENTS"]
+__all__ = ["KVCacheManager", "cache_argument", "passed_cache", "CACHE_ARGUMENTS"]
 
 log = logging.getLogger("geoscale_fx")
 
 #: the names ``generate`` has taken a cache under: ``cache`` from transformers 5.24
 #: (``past_key_values`` deprecated there, to be removed in 6.0), ``past_key_values`` before
 CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def passed_cache(kwargs: dict) -> tuple[Optional[str], Any]:
+    """``(name, cache)`` of the cache a call's ``kwargs`` pass under one of
+    ``CACHE_ARGUMENTS``, or ``(None, None)``."""
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return name, kwargs[name]
+    return None, None
 
 
 def cache_argument() -> str:
@@ -89,7 +98,7 @@ class KVCacheManager:
         """``kwargs`` of a ``generate`` call with an FP8 cache under generate's cache argument
         (``cache_argument``), unless the caller passed a cache of their own under either name,
         which is used as is, with a warning."""
-        own = next((k for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+        own, _ = passed_cache(kwargs)
         if own is not None:
             log.warning("geoscale: kv_cache=%r: generate got its own %s; it is used as is "
                         "(not FP8)", self.kv_cache, own)
