@@ -6,6 +6,7 @@ import torch
 import torch._inductor.config
 
 from geoscale_fx.kv_cache import weight_scales as weight_kv_scales
+from tests.dynamo_bookkeeping import skip_log_only_bookkeeping
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -31,6 +32,8 @@ gc.set_threshold(50_000, 20, 100)
 # and collects on its own thresholds above (the tests that count live objects collect
 # themselves): measured ~3% of a worker's time on three compile-heavy modules
 torch._dynamo.config.run_gc_after_compile = False
+# nor makes its guard-latency profile and side-effect log messages (tests/dynamo_bookkeeping)
+skip_log_only_bookkeeping()
 
 
 @pytest.fixture(autouse=True)

@@ -29,6 +29,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import geoscale_fx  # noqa: E402
 from models_zoo.nanogpt import GPT, GPTConfig  # noqa: E402
+from tests.dynamo_bookkeeping import skip_log_only_bookkeeping  # noqa: E402
 
 ETA, R_MAX = 0.8, 448.0
 VOCAB, D, N_HEAD, D_H = 64, 32, 4, 8
@@ -48,6 +49,7 @@ def _entry(rank: int, world: int, port: int, name: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1",
                       TRANSFORMERS_VERBOSITY="error")
     torch.set_num_threads(1)
+    skip_log_only_bookkeeping()      # as in the test workers (tests/conftest.py)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         globals()[name](rank, world, *args)
