@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import multiprocessing
 import os
 import socket
 import traceback
@@ -58,7 +59,13 @@ def _entry(rank: int, world: int, port: int, name: str, args: tuple) -> None:
 
 
 def _spawn(worker, world: int = 2, *args) -> None:
-    mp.spawn(_entry, args=(world, _free_port(), worker.__name__, args), nprocs=world)
+    """``world`` processes running ``worker``, forked from a server that imported this module
+    (torch, geoscale_fx, transformers) once: a freshly spawned process spent ~5 s of CPU on
+    those imports, and the module starts six."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__, "transformers"])
+    mp.start_processes(_entry, args=(world, _free_port(), worker.__name__, args), nprocs=world,
+                       start_method="forkserver")
 
 
 def _checks(rank: int, world: int, out: str, checks: tuple) -> None:
