@@ -32,7 +32,8 @@ gc.set_threshold(50_000, 20, 100)
 # and collects on its own thresholds above (the tests that count live objects collect
 # themselves): measured ~3% of a worker's time on three compile-heavy modules
 torch._dynamo.config.run_gc_after_compile = False
-# nor makes its guard-latency profile and side-effect log messages (tests/dynamo_bookkeeping)
+# nor makes its guard-latency profile, side-effect log messages and structured-trace payloads
+# (tests/dynamo_bookkeeping)
 skip_log_only_bookkeeping()
 
 
@@ -65,7 +66,6 @@ def earlier_objects_set_aside():
     again would make every later full collection walk them."""
     gc.collect()
     gc.freeze()
-    yield
 
 
 @pytest.fixture

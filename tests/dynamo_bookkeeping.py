@@ -19,8 +19,9 @@ each compile do nothing a test can observe:
   logger ``torch.__trace`` has a handler. It has none outside a ``TORCH_TRACE`` run, but
   pytest (9) attaches its capture handlers to every logger that does not propagate, which
   this one does not: in the suite every compile printed its graphs into the tests' captured
-  logs (~2.5% of the suite's CPU). Letting it propagate keeps pytest's handlers off it, so
-  the trace is off as it is outside pytest (a ``TORCH_TRACE`` run sets it back).
+  logs (~2.5% of the suite's CPU). Letting it propagate, with no handler of its own, keeps
+  pytest's handlers off it, so the trace is off as it is outside pytest (a ``TORCH_TRACE``
+  run keeps it as torch sets it up).
 
 None changes a graph, a guard or a result: the guards are still built and checked once
 against the frame (Dynamo's own sanity check is kept), and side effects are still replayed.
@@ -47,4 +48,7 @@ def skip_log_only_bookkeeping() -> None:
     torch._dynamo.config.side_effect_replay_policy = "silent"
     torch._dynamo.guards.profile_guard_manager = _no_latency_profile
     if not os.environ.get("TORCH_TRACE"):      # a trace asked for is written as usual
-        torch._logging._internal.trace_log.propagate = True
+        trace_log = torch._logging._internal.trace_log
+        for handler in list(trace_log.handlers):  # torch's lazy one, which drops itself at
+            trace_log.removeHandler(handler)      # the first record (nowhere to write it)
+        trace_log.propagate = True
