@@ -14,6 +14,7 @@ from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests.analysis_checks import assert_none_scaling_equals_eager, model_output
 from tests.attention_variants import D, VARIANTS
 from tests.hf_models import HF_MODELS, build_hf
+from tests.inductor_platform import skip_where_the_cpu_cannot_fuse
 
 models_zoo = pytest.importorskip("models_zoo")
 
@@ -440,6 +441,8 @@ def test_first_forward_after_loading_pretrained_minilm(minilm, scaling, recipe,
 @pytest.mark.inductor
 def test_inductor_end_to_end_fused_inference():
     from torch._inductor.utils import run_and_get_code
+
+    skip_where_the_cpu_cannot_fuse()
 
     zoo = models_zoo.get("nanogpt")
     zoo.model.transformer.h = zoo.model.transformer.h[:1]   # one block: Inductor's codegen

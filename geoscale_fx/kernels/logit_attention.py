@@ -20,7 +20,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from geoscale_fx.core.fp8 import fake_quantize_logits
 
-__all__ = ["fused_attention", "explicit_attention", "head_divisor"]
+__all__ = ["fused_attention", "explicit_attention", "head_divisor",
+           "inductor_cpu_fused_unsupported"]
 
 
 def head_divisor(divisor: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -94,6 +95,24 @@ def fused_attention(q, k, v, attn_mask: Optional[torch.Tensor], divisor: Optiona
     with _without_trace_metadata_mode():
         return flex_attention(q, k.contiguous(), v.contiguous(), score_mod=score_mod,
                               block_mask=block_mask, scale=softmax_scale, enable_gqa=enable_gqa)
+
+
+def inductor_cpu_fused_unsupported() -> str:
+    """Why Inductor cannot compile the fused lowering for the CPU here ("" when it can).
+
+    Inductor lowers flex_attention on the CPU to its C++ template only where torch's own
+    check passes (``torch._inductor.kernel.flex.flex_cpu.check_cpu_supported``, torch 2.11
+    to 2.15): a CPU with AVX2 whose ATen kernels are vectorized (not
+    ``ATEN_CPU_CAPABILITY=default``), not macOS, no XPU. Elsewhere the compile fails
+    ("torch.compile on current platform is not supported for CPU")."""
+    try:
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+    except ImportError:     # a torch without the check: Inductor's own error, if any, stands
+        return ""
+    if check_cpu_supported():
+        return ""
+    return ("Inductor's CPU flex_attention template does not run on this platform (it needs "
+            "AVX2 and vectorized ATen kernels, and neither macOS nor an XPU)")
 
 
 def _without_trace_metadata_mode():

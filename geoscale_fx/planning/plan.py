@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from geoscale_fx.options.config import GeoscaleOptions
+from geoscale_fx.kernels.logit_attention import inductor_cpu_fused_unsupported
 from geoscale_fx.kernels.qkv_attention import fa3_available
 from geoscale_fx.planning.qkv_scaling import OperandScaling
 from geoscale_fx.planning.scaling import ScalingPolicy, common_specs, make_policy
@@ -120,6 +121,10 @@ def _sdpa_lowering(site: AttentionSite, options: GeoscaleOptions, policy: Scalin
     if ctx.device == "cpu" and options.compiler == "inductor" and ctx.symbolic:
         reasons.append("Inductor's CPU flex_attention template fails on graphs with symbolic "
                        "shapes (a dynamic recompile)")
+    if ctx.device == "cpu" and options.compiler == "inductor" and not reasons:
+        unsupported = inductor_cpu_fused_unsupported()
+        if unsupported:
+            reasons.append(unsupported)
     if site.dropout_p > 0:
         reasons.append("attention dropout")
     if options.lowering == "auto" and options.compiler != "inductor":

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import geoscale_fx
 from geoscale_fx.numerics.logit_bounds import site_logit_bound
 from tests import analysis_checks as checks
+from tests.inductor_platform import skip_where_the_cpu_cannot_fuse
 
 COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
               vocab_size=128, max_position_embeddings=64)
@@ -240,6 +241,7 @@ def test_qk_norm_site_with_scaling_none_equals_eager_and_geometry_is_exact():
 
 @pytest.mark.inductor
 def test_qk_norm_model_end_to_end_with_inductor():
+    skip_where_the_cpu_cannot_fuse()
     model = QKNormed("rmsnorm", rope=True)
     x = torch.randn(2, 6, 32)
     with torch.no_grad():

@@ -7,7 +7,9 @@ from geoscale_fx.analysis.modifiers.mask import Mask
 from geoscale_fx.analysis.modifiers.position_bias import PositionBias
 from geoscale_fx.analysis.modifiers.sink import Sink
 from geoscale_fx.analysis.modifiers.softcap import Softcap
+from geoscale_fx.kernels import logit_attention
 from geoscale_fx.options.config import GeoscaleOptions
+from geoscale_fx.planning import plan as plan_module
 from geoscale_fx.planning.plan import GraphContext, SitePlan, Skip, burn_in_variant, plan_site
 from geoscale_fx.planning.scaling import CurrentScaling, DelayedScaling, GeometryScaling, NoScaling
 from geoscale_fx.sites.model import AttentionSite
@@ -41,6 +43,13 @@ def _site(terms=None, **kw) -> AttentionSite:
 
 def _plan(site=None, ctx=CPU, **options) -> SitePlan | Skip:
     return plan_site(site or _site(), GeoscaleOptions(**options), "attn", ctx)
+
+
+@pytest.fixture(autouse=True)
+def _a_cpu_inductor_fuses_on(monkeypatch):
+    """The plans below are those of a CPU Inductor's flex_attention template runs on (AVX2,
+    not macOS); where it does not: test_a_cpu_inductor_cannot_fuse_on_is_explicit."""
+    monkeypatch.setattr(plan_module, "inductor_cpu_fused_unsupported", lambda: "")
 
 
 # --------------------------------------------------------------------------------------
@@ -108,6 +117,24 @@ def test_sdpa_falls_back_to_explicit_with_the_reason(ctx, site_kw, options, reas
     assert isinstance(result, SitePlan)
     assert result.lowering == "explicit"
     assert reason in result.lowering_reason
+
+
+@pytest.mark.parametrize("options", [{}, {"lowering": "fused"}])
+def test_a_cpu_inductor_cannot_fuse_on_is_explicit(monkeypatch, options):
+    """Where torch's own check refuses Inductor's CPU flex_attention template (simulated:
+    ATEN_CPU_CAPABILITY=default, as a CPU without AVX2), the plan is explicit and says why,
+    lowering='fused' included; with another compiler the check does not apply."""
+    monkeypatch.setattr(plan_module, "inductor_cpu_fused_unsupported",
+                        logit_attention.inductor_cpu_fused_unsupported)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    result = _plan(**options)
+    assert result.lowering == "explicit"
+    assert "flex_attention template does not run on this platform" in result.lowering_reason
+    other = _plan(**options, compiler="aot_eager")
+    assert "this platform" not in other.lowering_reason
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    if logit_attention.inductor_cpu_fused_unsupported() == "":    # this machine: AVX2
+        assert _plan(**options).lowering == "fused"
 
 
 @pytest.mark.parametrize("ctx", [GraphContext(device="cuda", training=True),
