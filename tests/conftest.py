@@ -6,6 +6,7 @@ import torch
 import torch._inductor.config
 
 from geoscale_fx.kv_cache import weight_scales as weight_kv_scales
+from geoscale_fx.planning import plan as plan_module
 from tests.dynamo_bookkeeping import skip_log_only_bookkeeping
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,6 +67,14 @@ def earlier_objects_set_aside():
     again would make every later full collection walk them."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def a_cpu_inductor_fuses_on(monkeypatch):
+    """Plans as on a CPU whose Inductor runs the flex_attention template (AVX2, not macOS):
+    where it does not, every site under Inductor on the CPU is planned explicit
+    (tests/planning/test_plan.py::test_a_cpu_inductor_cannot_fuse_on_is_explicit)."""
+    monkeypatch.setattr(plan_module, "inductor_cpu_fused_unsupported", lambda: "")
 
 
 @pytest.fixture

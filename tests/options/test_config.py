@@ -36,7 +36,6 @@ from torch._dynamo.utils import counters
 import geoscale_fx
 from geoscale_fx.options.config import GeoscaleOptions
 from geoscale_fx.core.fp8 import KV_CACHE_FORMATS
-from geoscale_fx.planning import plan as plan_module
 from tests.attention_variants import DH, D, H, Block
 from tests.hf_models import build_hf
 from tests.options.test_recipes import SPELLED_AS, recipe_spelling
@@ -404,16 +403,9 @@ def _id(kwargs: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in kwargs.items())
 
 
-@pytest.fixture
-def a_cpu_inductor_fuses_on(monkeypatch):
-    """Plans as on a CPU Inductor's flex_attention template runs on (AVX2, not macOS): where
-    it does not, ``lowering`` cannot change a plan under Inductor on the CPU, and says so
-    (tests/planning/test_plan.py)."""
-    monkeypatch.setattr(plan_module, "inductor_cpu_fused_unsupported", lambda: "")
-
-
 @pytest.mark.parametrize("combo", [c for c in _accepted_up_to_two() if "kv_cache" not in c],
                          ids=_id)
+# where Inductor cannot fuse on the CPU, lowering= changes no plan there (and says why)
 @pytest.mark.usefixtures("a_cpu_inductor_fuses_on")
 def test_every_changed_option_changes_what_the_backend_does(combo, captured, compiler_calls):
     """Against the same options without it (where those are valid), each changed option

@@ -45,11 +45,9 @@ def _plan(site=None, ctx=CPU, **options) -> SitePlan | Skip:
     return plan_site(site or _site(), GeoscaleOptions(**options), "attn", ctx)
 
 
-@pytest.fixture(autouse=True)
-def _a_cpu_inductor_fuses_on(monkeypatch):
-    """The plans below are those of a CPU Inductor's flex_attention template runs on (AVX2,
-    not macOS); where it does not: test_a_cpu_inductor_cannot_fuse_on_is_explicit."""
-    monkeypatch.setattr(plan_module, "inductor_cpu_fused_unsupported", lambda: "")
+# the plans below are those of a CPU whose Inductor runs the flex_attention template; where
+# it does not: test_a_cpu_inductor_cannot_fuse_on_is_explicit
+pytestmark = pytest.mark.usefixtures("a_cpu_inductor_fuses_on")
 
 
 # --------------------------------------------------------------------------------------
