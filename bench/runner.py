@@ -2,7 +2,13 @@
 
 Each scenario is a function ``fn(ctx) -> ScenarioResult``. The runner times it, isolates its
 failure (the traceback goes to the log and the error into the summary; the others still run),
-prints its table as soon as it completes and writes ``results.json`` and ``report.md``.
+prints its table as soon as it completes and writes ``results.json`` and ``report.md`` (in the
+scenarios' order).
+
+With ``jobs > 1`` the scenarios that time nothing run first, ``jobs`` at a time, each in a
+spawned process of its own (a fresh interpreter: their compiles are single-threaded Python,
+so on two cores two of them take little longer than one); the timed ones (``Scenario.timed``)
+run after them in this process, one at a time, on the machine the others have left idle.
 """
 from __future__ import annotations
 
@@ -10,8 +16,10 @@ import dataclasses
 import gc
 import json
 import logging
+import multiprocessing
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -19,7 +27,8 @@ from typing import Callable
 import torch
 from tabulate import tabulate
 
-__all__ = ["Context", "ScenarioResult", "Scenario", "run_scenarios", "format_rows"]
+__all__ = ["Context", "ScenarioResult", "Scenario", "run_scenarios", "format_rows",
+           "quiet_libraries"]
 
 log = logging.getLogger("bench")
 
@@ -70,6 +79,9 @@ class Context:
     def generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed + offset)
 
+    def __getstate__(self):   # sent to a scenario process: the models are built there
+        return {**self.__dict__, "_cache": {}}
+
 
 @dataclass
 class ScenarioResult:
@@ -90,6 +102,7 @@ class Scenario:
     title: str
     fn: Callable[[Context], ScenarioResult]
     default: bool = True      # run by a plain ``python -m bench`` (else only with --only)
+    timed: bool = False       # measures time: runs alone, after the others, in the main process
 
 
 def format_rows(rows: list[dict], floatfmt: str = ".4g") -> str:
@@ -120,33 +133,103 @@ def _markdown(result: ScenarioResult) -> str:
     return "\n".join(lines)
 
 
-def run_scenarios(scenarios: list[Scenario], ctx: Context, echo=print) -> list[ScenarioResult]:
+def quiet_libraries(level: int = logging.WARNING) -> None:
+    """The benchmark's logging: ``name: message`` at ``level``; transformers' weight-loading
+    progress bars off (they would drown the tables)."""
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
+    try:
+        import transformers
+    except ImportError:
+        return
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def run_scenario(scenario: Scenario, ctx: Context) -> ScenarioResult:
+    """One scenario, timed, from a fresh Dynamo and heap; its failure becomes its result."""
+    # every scenario starts from a fresh Dynamo (the earlier ones' models, compiled at
+    # other shapes, would otherwise accumulate cache entries on shared code) and heap
+    torch._dynamo.reset()
+    gc.collect()
+    start = time.perf_counter()
+    try:
+        result = scenario.fn(ctx)
+    except Exception as exc:  # a failing scenario is reported, the others still run
+        log.error("scenario %s failed:\n%s", scenario.key, traceback.format_exc())
+        result = ScenarioResult(scenario.key, scenario.title,
+                                error=f"{type(exc).__name__}: {exc}"[:500])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run_scenarios(scenarios: list[Scenario], ctx: Context, echo=print,
+                  jobs: int = 1) -> list[ScenarioResult]:
+    """Run ``scenarios``; with ``jobs > 1`` the untimed ones ``jobs`` at a time in processes
+    of their own first, then the timed ones here. Returns the results in the given order."""
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for scenario in scenarios:
-        # every scenario starts from a fresh Dynamo (the earlier ones' models, compiled at
-        # other shapes, would otherwise accumulate cache entries on shared code) and heap
-        torch._dynamo.reset()
-        gc.collect()
-        start = time.perf_counter()
-        echo(f"\n=== {scenario.title}")
-        try:
-            result = scenario.fn(ctx)
-        except Exception as exc:  # a failing scenario is reported, the others still run
-            log.error("scenario %s failed:\n%s", scenario.key, traceback.format_exc())
-            result = ScenarioResult(scenario.key, scenario.title,
-                                    error=f"{type(exc).__name__}: {exc}"[:500])
-        result.seconds = time.perf_counter() - start
-        results.append(result)
+    done: dict[str, ScenarioResult] = {}
+
+    def finish(scenario: Scenario, result: ScenarioResult) -> None:
+        done[scenario.key] = result
         echo(format_rows(result.rows) if result.rows else f"FAILED: {result.error}")
         if result.paper:
             echo(f"paper: {result.paper}")
-        _write(results, ctx)
+        _write([done[s.key] for s in scenarios if s.key in done], ctx)
+
+    untimed = [s for s in scenarios if not s.timed]
+    here = scenarios
+    if jobs > 1 and len(untimed) > 1:
+        _run_in_processes(untimed, ctx, min(jobs, len(untimed)), echo, finish)
+        here = [s for s in scenarios if s.timed]
+        if here:
+            echo(f"\nthe timed scenarios, one at a time: {', '.join(s.key for s in here)}")
+    for scenario in here:
+        echo(f"\n=== {scenario.title}")
+        finish(scenario, run_scenario(scenario, ctx))
+    results = [done[s.key] for s in scenarios]
     summary = [{"scenario": r.title.split(" (")[0], "status": "FAILED" if r.error else "ok",
                 "seconds": round(r.seconds, 1)} for r in results]
     echo("\n=== Summary\n" + format_rows(summary))
+    if jobs > 1 and len(untimed) > 1:
+        echo(f"(the untimed scenarios' seconds are {min(jobs, len(untimed))} at a time, "
+             "each in its own process)")
     echo(f"\nresults: {ctx.out_dir}/report.md, results.json and plots")
     return results
+
+
+def _start_scenario_process(threads: int, level: int) -> None:
+    quiet_libraries(level)
+    torch.set_num_threads(threads)
+
+
+def _run_in_processes(scenarios: list[Scenario], ctx: Context, jobs: int, echo,
+                      finish: Callable[[Scenario, ScenarioResult], None]) -> None:
+    """``scenarios`` ``jobs`` at a time, each in a spawned process sharing this one's
+    threads; tables print as each completes."""
+    from tqdm.auto import tqdm
+
+    threads = max(1, torch.get_num_threads() // jobs)
+    echo(f"\nthe untimed scenarios, {jobs} at a time in processes of their own "
+         f"({threads} thread{'s' if threads > 1 else ''} each): "
+         f"{', '.join(s.key for s in scenarios)}")
+    quiet = dataclasses.replace(ctx, progress=False)   # one bar here instead of one per process
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_scenario_process,
+                               initargs=(threads, logging.getLogger().getEffectiveLevel()))
+    with pool, tqdm(total=len(scenarios), desc="untimed scenarios", unit="scenario",
+                    leave=False, disable=not ctx.progress) as bar:
+        running = {pool.submit(run_scenario, s, quiet): s for s in scenarios}
+        for future in as_completed(running):
+            scenario = running[future]
+            try:
+                result = future.result()
+            except Exception as exc:  # the process died (a crash, the OOM killer)
+                log.error("scenario %s: its process failed: %s", scenario.key, exc)
+                result = ScenarioResult(scenario.key, scenario.title,
+                                        error=f"{type(exc).__name__}: {exc}"[:500])
+            bar.update()
+            echo(f"\n=== {scenario.title}")
+            finish(scenario, result)
 
 
 def _write(results: list[ScenarioResult], ctx: Context) -> None:

@@ -219,10 +219,43 @@ def test_runner_reports_a_failing_scenario_and_keeps_going(ctx, capsys):
     assert "**Failed**" in (ctx.out_dir / "report.md").read_text()
 
 
+def test_untimed_scenarios_run_in_processes_of_their_own_before_the_timed_ones(tmp_path,
+                                                                               capsys):
+    """``jobs=2``: the untimed scenarios in spawned processes, a thread share each, no
+    progress bars there; a failure in one is its result; the timed one in this process,
+    after them; the results and files in the scenarios' order."""
+    import os
+
+    from tests import bench_runner_scenarios as functions
+
+    def scenario(key, fn, **kwargs):
+        return Scenario(key, f"{key} title", fn, **kwargs)
+
+    ctx = Context(out_dir=tmp_path, progress=True)
+    results = run_scenarios([scenario("a", functions.a),
+                             scenario("timed", functions.timed, timed=True),
+                             scenario("broken", functions.fails),
+                             scenario("c", functions.c)], ctx, jobs=2)
+    (a,), (timed,), (c,) = results[0].rows, results[1].rows, results[3].rows
+    assert [r.key for r in results] == ["a", "timed", "broken", "c"]
+    assert results[2].error == "RuntimeError: boom" and results[2].rows == []
+    assert a["pid"] != os.getpid() and c["pid"] != os.getpid() and timed["pid"] == os.getpid()
+    assert a["threads"] == c["threads"] == max(1, torch.get_num_threads() // 2)
+    assert not a["progress"] and timed["progress"]
+    assert timed["start"] >= max(a["end"], c["end"])
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [s["key"] for s in payload["scenarios"]] == ["a", "timed", "broken", "c"]
+    out = capsys.readouterr().out
+    assert out.index("=== timed title") > max(out.index("=== a title"), out.index("=== c title"))
+    assert "FAILED: RuntimeError: boom" in out
+
+
 def test_scenarios_are_registered():
     assert len(SCENARIOS) == 14
     assert len({s.key for s in SCENARIOS}) == 14
     assert [s.key for s in SCENARIOS if not s.default] == ["distributed", "rl"]   # --only
+    assert [s.key for s in SCENARIOS if s.timed] == ["overhead", "seq-len", "inference",
+                                                     "distributed", "rl"]
     assert [s.title.split(".")[0] for s in SCENARIOS] == [str(i) for i in range(1, 15)]
 
 
