@@ -56,31 +56,34 @@ def _symmetric(g: torch.Tensor) -> torch.Tensor:
 
 
 def _log_lambda_max(s: torch.Tensor, squarings: int) -> torch.Tensor:
-    """``log`` of ``tr(S^{2^{J+1}})^{2^{-(J+1)}} ≥ λ_max(S)`` for symmetric PSD ``S (…, m, m)``.
+    """``log`` of ``tr(S^{2^{J+1}})^{2^{-(J+1)}} ≥ λ_max(S)`` for symmetric PSD ``S (b, m, m)``.
 
     The iterate is kept as ``X^{2^k} = e^ℓ · stored`` with ``X = S / tr S`` (eigenvalues in
     [0, 1]: no overflow), renormalized by its trace every few squarings (no underflow).
+    Batched matmuls (``bmm``): one graph node a squaring (``@`` on a batch traces into
+    expands, views and a ``bmm``).
     """
     tiny = torch.finfo(s.dtype).tiny
     t = _trace(s).clamp_min(tiny)
-    stored, log_t, ell = s / t[..., None, None], t.log(), torch.zeros_like(t)
+    stored, log_t, ell = s / t[:, None, None], t.log(), torch.zeros_like(t)
     for k in range(squarings):
         if k and k % _RENORMALIZE_EVERY == 0:
             r = _trace(stored).clamp_min(tiny)
-            stored, ell = stored / r[..., None, None], ell + r.log()
-        stored, ell = stored @ stored, 2.0 * ell
+            stored, ell = stored / r[:, None, None], ell + r.log()
+        stored, ell = torch.bmm(stored, stored), 2.0 * ell
     frobenius = (stored * stored).sum((-1, -2)).clamp_min(tiny)      # tr(stored²)
     return log_t + (2.0 * ell + frobenius.log()) / 2 ** (squarings + 1)
 
 
 def _sigma_from_grams(g_q: torch.Tensor, g_k: torch.Tensor, depth: int,
                       squarings: int) -> torch.Tensor:
-    """Upper bound of ``√λ_max(G_Q G_K)``, symmetric PSD float64 Grams (broadcasting)."""
+    """Upper bound of ``√λ_max(G_Q G_K)`` per pair, symmetric PSD float64 Grams ``(b, m, m)``
+    (a key head's Gram repeated for each query head of its group)."""
     m = g_k.shape[-1]
     t_q, t_k = _trace(g_q), _trace(g_k)
     eye = torch.eye(m, dtype=g_k.dtype, device=g_k.device)
-    chol, info = torch.linalg.cholesky_ex(g_k + (_JITTER * t_k)[..., None, None] * eye)
-    s = _symmetric(chol.transpose(-1, -2) @ g_q @ chol)                # Lᵀ G_Q L
+    chol, info = torch.linalg.cholesky_ex(g_k + (_JITTER * t_k)[:, None, None] * eye)
+    s = _symmetric(torch.bmm(torch.bmm(chol.transpose(-1, -2), g_q), chol))   # Lᵀ G_Q L
     traces = t_q * t_k
     rounding = 4.0 * (depth + squarings * m) * _UNIT_ROUNDOFF * traces
     lam = _log_lambda_max(s, squarings).exp() + rounding
@@ -93,15 +96,15 @@ def per_head_sigma(a_q: torch.Tensor, a_k: torch.Tensor,
     float64, at most ``rank^{2^{-(J+2)}}`` above σ_h. ``a_q: (n_q, d_q, d_h)``,
     ``a_k: (n_kv, d_k, d_h)``."""
     g = _group_size(a_q, a_k)
-    n_q, n_kv, m = a_q.shape[0], a_k.shape[0], a_k.shape[-1]
+    n_q, m = a_q.shape[0], a_k.shape[-1]
     if a_q.shape[1] == a_k.shape[1]:          # both sides' Grams in one batched matmul
         grams = _symmetric(_gram(torch.cat([a_q.detach(), a_k.detach().to(a_q.dtype)])))
         g_q, g_k = grams[:n_q], grams[n_q:]
     else:
         g_q, g_k = _symmetric(_gram(a_q)), _symmetric(_gram(a_k))
-    depth = max(a_q.shape[1], a_k.shape[1])
-    sigma = _sigma_from_grams(g_q.reshape(n_kv, g, m, m), g_k.unsqueeze(1), depth, squarings)
-    return sigma.reshape(-1)
+    if g > 1:                                 # each query head paired with its key head
+        g_k = g_k.repeat_interleave(g, dim=0)
+    return _sigma_from_grams(g_q, g_k, max(a_q.shape[1], a_k.shape[1]), squarings)
 
 
 def per_layer_sigma(a_q: torch.Tensor, a_k: torch.Tensor,
@@ -113,13 +116,13 @@ def per_layer_sigma(a_q: torch.Tensor, a_k: torch.Tensor,
     p = a_q.detach().to(torch.float64).permute(1, 0, 2).reshape(d_q, n_q * d_h)
     q = a_k.detach().to(torch.float64).repeat_interleave(g, dim=0)
     q = q.permute(1, 0, 2).reshape(a_k.shape[1], n_q * d_h)
-    return _sigma_from_grams(_symmetric(p.T @ p), _symmetric(q.T @ q),
-                             max(d_q, a_k.shape[1]), squarings)
+    return _sigma_from_grams(_symmetric(p.T @ p)[None], _symmetric(q.T @ q)[None],
+                             max(d_q, a_k.shape[1]), squarings).reshape(())
 
 
 def head_norms(a: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tensor:
     """Certified upper bound of ``‖a[h]‖₂`` for every head of ``a: (n, d, d_h)``; ``(n,)``
     float64, at most ``rank^{2^{-(J+2)}}`` above it."""
-    g = _symmetric(_gram(a))
+    g = _symmetric(_gram(a))          # (n, m, m)
     rounding = 4.0 * (a.shape[1] + squarings * a.shape[-1]) * _UNIT_ROUNDOFF * _trace(g)
     return (_log_lambda_max(g, squarings).exp() + rounding).sqrt()
