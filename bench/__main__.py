@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="results directory "
                         "(default bench/results/<timestamp>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--jobs", type=int, default=min(2, len(os.sched_getaffinity(0))),
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="scenarios that time nothing run this many at a time, each in a "
                              "process of its own, before the timed ones (default: 2, or 1 on "
                              "one core; 1: all in this process)")
