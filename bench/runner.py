@@ -216,20 +216,37 @@ def _run_in_processes(scenarios: list[Scenario], ctx: Context, jobs: int, echo,
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_scenario_process,
                                initargs=(threads, logging.getLogger().getEffectiveLevel()))
-    with pool, tqdm(total=len(scenarios), desc="untimed scenarios", unit="scenario",
-                    leave=False, disable=not ctx.progress) as bar:
-        running = {pool.submit(run_scenario, s, quiet): s for s in scenarios}
-        for future in as_completed(running):
-            scenario = running[future]
-            try:
-                result = future.result()
-            except Exception as exc:  # the process died (a crash, the OOM killer)
-                log.error("scenario %s: its process failed: %s", scenario.key, exc)
-                result = ScenarioResult(scenario.key, scenario.title,
-                                        error=f"{type(exc).__name__}: {exc}"[:500])
-            bar.update()
-            echo(f"\n=== {scenario.title}")
-            finish(scenario, result)
+    try:
+        with tqdm(total=len(scenarios), desc="untimed scenarios", unit="scenario",
+                  leave=False, disable=not ctx.progress) as bar:
+            running = {pool.submit(run_scenario, s, quiet): s for s in scenarios}
+            for future in as_completed(running):
+                scenario = running[future]
+                try:
+                    result = future.result()
+                except Exception as exc:  # the process died (a crash, the OOM killer)
+                    log.error("scenario %s: its process failed: %s", scenario.key, exc)
+                    result = ScenarioResult(scenario.key, scenario.title,
+                                            error=f"{type(exc).__name__}: {exc}"[:500])
+                bar.update()
+                echo(f"\n=== {scenario.title}")
+                finish(scenario, result)
+    except BaseException:   # Ctrl-C here: the scenarios still running would run to their end
+        _stop(pool)
+        raise
+    pool.shutdown()
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel the scenarios not started and end the processes running the others now
+    (before Python 3.14's ``terminate_workers`` the executor's processes are only reachable
+    through its ``_processes``)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=10)
 
 
 def _write(results: list[ScenarioResult], ctx: Context) -> None:

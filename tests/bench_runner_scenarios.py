@@ -2,6 +2,7 @@
 the untimed ones in processes of their own): each records where and when it ran."""
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,3 +31,17 @@ def timed(ctx) -> ScenarioResult:
 
 def fails(ctx) -> ScenarioResult:
     raise RuntimeError("boom")
+
+
+def waits_for_the_sleeper(ctx) -> ScenarioResult:
+    """Returns once ``sleeps`` has started (its pid file exists)."""
+    deadline = time.time() + 60
+    while not (Path(ctx.out_dir) / "sleeper.pid").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    return ScenarioResult("first", "first title", rows=[{"pid": os.getpid()}])
+
+
+def sleeps(ctx) -> ScenarioResult:
+    (Path(ctx.out_dir) / "sleeper.pid").write_text(str(os.getpid()))
+    time.sleep(120)
+    return ScenarioResult("sleeper", "sleeper title")

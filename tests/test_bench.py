@@ -250,6 +250,29 @@ def test_untimed_scenarios_run_in_processes_of_their_own_before_the_timed_ones(t
     assert "FAILED: RuntimeError: boom" in out
 
 
+def test_an_interrupt_ends_the_scenario_processes_still_running(tmp_path):
+    """Ctrl-C while the untimed scenarios run (here: raised where the first table prints)
+    ends the process still running a scenario, instead of waiting for it to finish."""
+    import os
+    import time
+
+    from tests import bench_runner_scenarios as functions
+
+    def echo(line):
+        if "=== first title" in line:
+            raise KeyboardInterrupt
+
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run_scenarios([Scenario("first", "first title", functions.waits_for_the_sleeper),
+                       Scenario("sleeper", "sleeper title", functions.sleeps)],
+                      Context(out_dir=tmp_path, progress=False), echo=echo, jobs=2)
+    assert time.perf_counter() - start < 100      # the sleeper sleeps 120 s
+    pid = int((tmp_path / "sleeper.pid").read_text())
+    with pytest.raises(ProcessLookupError):       # ended and reaped
+        os.kill(pid, 0)
+
+
 def test_scenarios_are_registered():
     assert len(SCENARIOS) == 14
     assert len({s.key for s in SCENARIOS}) == 14
