@@ -27,6 +27,7 @@ from functorch.compile import aot_function, make_boxed_func
 from tabulate import tabulate
 
 import geoscale_fx
+from bench.lms import with_named_loss
 from bench.profile_step import _config
 from geoscale_fx.compile import rewrite
 
@@ -43,9 +44,7 @@ def _model(family: str, layers: int, scaling: str, compiler: str):
     config.update({"n_layer" if family == "gpt2" else "num_hidden_layers": layers})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if getattr(model, "loss_type", "") is None:   # else a graph break at every loss (bench.lms)
-        model.loss_type = "ForCausalLM"
-    return geoscale_fx.apply_(model.train(), scaling=scaling, compiler=compiler)
+    return geoscale_fx.apply_(with_named_loss(model).train(), scaling=scaling, compiler=compiler)
 
 
 def _step(model) -> None:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "minilm_lm", "large_key_lm",
+__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "with_named_loss", "minilm_lm", "large_key_lm",
            "scale_keys", "key_value_parameters", "projection_snapshot", "projection_drift",
            "QUICK_PRETRAIN_STEPS"]
 
@@ -72,6 +72,16 @@ def quick_recipe(family: str):
                                warmup_steps=min(recipe.warmup_steps, 15))
 
 
+def with_named_loss(model: nn.Module) -> nn.Module:
+    """``model`` with its causal-LM loss named where transformers finds none: transformers 5
+    finds no loss type in the name GPT2LMHeadModel and logs ``warning_once`` at every loss, a
+    graph break (Dynamo re-traces the forward) in every compiled training step; the loss it
+    falls back to, named."""
+    if getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
+    return model
+
+
 def pretrained_lm(family: str, profile: str = "quick") -> BenchLM:
     """A byte-level GPT-2- or Llama-style LM trained on the stdlib sources (cached)."""
     from models_zoo import pretrain
@@ -84,12 +94,7 @@ def pretrained_lm(family: str, profile: str = "quick") -> BenchLM:
     def build() -> nn.Module:
         fresh = cls(config)
         fresh.load_state_dict(state)
-        if getattr(fresh, "loss_type", "") is None:
-            # transformers 5 finds no loss type in the name GPT2LMHeadModel and logs
-            # warning_once at every loss: a graph break (Dynamo re-traces the forward) in
-            # every compiled training step; the loss it falls back to, named
-            fresh.loss_type = "ForCausalLM"
-        return fresh.eval()
+        return with_named_loss(fresh).eval()
 
     def batch(gen, size, seq, split="train"):
         data = _corpus().train if split == "train" else _corpus().val
