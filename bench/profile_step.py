@@ -41,6 +41,7 @@ from torch._dynamo.utils import counters
 
 import geoscale_fx
 from geoscale_fx.core import compat
+from bench.lms import with_named_loss
 from bench.timing import interleaved
 from geoscale_fx.core import fp8
 
@@ -83,7 +84,8 @@ def _model(config, program: str, training: bool):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = with_named_loss(
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
     model.train(training)
     if program == "plain":
         model.generation_config.disable_compile = True
