@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "with_named_loss", "minilm_lm", "large_key_lm",
-           "scale_keys", "key_value_parameters", "projection_snapshot", "projection_drift",
-           "QUICK_PRETRAIN_STEPS"]
+__all__ = ["BenchLM", "pretrained_lm", "quick_recipe", "with_named_loss", "minilm_lm",
+           "large_key_lm", "scale_keys", "key_value_parameters", "projection_snapshot",
+           "projection_drift", "QUICK_PRETRAIN_STEPS"]
 
 #: the quick profile trains its byte-level LMs for fewer, smaller steps (a separate cache
 #: entry): about a minute each on 2 cores, so a first run stays within ten minutes

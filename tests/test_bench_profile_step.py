@@ -63,3 +63,29 @@ def test_no_fp8_compiles_without_the_round_trip_and_without_the_graph_cache():
     assert graph_cache.enabled()
     with profile_step.compiling("geometry"):
         assert not torch.equal(fp8.quantize_dequantize(s), s)
+
+
+
+@pytest.mark.parametrize("family", sorted(profile_step.SHAPES))
+def test_its_models_name_their_loss_and_a_training_step_compiles_one_graph(family):
+    """transformers 5 finds no loss type for GPT2LMHeadModel and warns at every loss: a graph
+    break, the forward compiled twice. The models it times have theirs named
+    (``bench.lms.with_named_loss``), and with it a training step is one graph."""
+    import torch
+    import transformers
+    from torch._dynamo.utils import counters
+
+    from bench.lms import with_named_loss
+
+    config = profile_step._config(family, 16)
+    assert profile_step._model(config, "plain", training=True).loss_type is not None
+    torch.manual_seed(0)
+    model = with_named_loss(transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa")).train()
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, 256, (1, 16))
+    loss = torch.compile(model, backend="eager")(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
