@@ -1,4 +1,4 @@
-"""bench.bound_compile_cost on one block of the zoo's GPT-2 shape, one round."""
+"""bench.bound_compile_cost on two blocks of the zoo's GPT-2 shape, one round."""
 import math
 
 import pytest

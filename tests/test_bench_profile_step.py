@@ -65,7 +65,6 @@ def test_no_fp8_compiles_without_the_round_trip_and_without_the_graph_cache():
         assert not torch.equal(fp8.quantize_dequantize(s), s)
 
 
-
 @pytest.mark.parametrize("family", sorted(profile_step.SHAPES))
 def test_its_models_name_their_loss_and_a_training_step_compiles_one_graph(family):
     """transformers 5 finds no loss type for GPT2LMHeadModel and warns at every loss: a graph
@@ -79,6 +78,7 @@ def test_its_models_name_their_loss_and_a_training_step_compiles_one_graph(famil
 
     config = profile_step._config(family, 16)
     assert profile_step._model(config, "plain", training=True).loss_type is not None
+    # the same model compiled with backend="eager": _model's plain program compiles Inductor
     torch.manual_seed(0)
     model = with_named_loss(transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="sdpa")).train()
